@@ -1,0 +1,78 @@
+"""Architectures as data: where each point lives in a HuggingFace model.
+
+One file per family holds an `Arch`; the registry maps `config.model_type` to it. Module paths are relative to
+the causal-LM model (`layers`, `final_norm`, `unembed`) or to one decoder layer (the rest).
+"""
+
+from dataclasses import dataclass
+
+from interp_engine.errors import LoadError, fix
+
+
+@dataclass(frozen=True, slots=True)
+class Arch:
+    family: str
+    model_types: tuple[str, ...]
+    layers: str  # the ModuleList of decoder layers
+    final_norm: str
+    unembed: str
+    attention: str  # the attention module, whose kwargs reach the attention function
+    attn_out: str  # module whose output is what attention adds to the residual stream
+    mlp_out: str  # module whose output is what the MLP adds to the residual stream
+    mlp_down: str  # module whose input is mlp_act
+    parallel: bool = False  # attention and MLP both read resid_pre (GPT-NeoX, Phi)
+    d_mlp_keys: tuple[str, ...] = ("intermediate_size",)
+
+
+@dataclass(frozen=True, slots=True)
+class Dims:
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    d_head: int
+    d_mlp: int
+    d_vocab: int
+    max_len: int
+
+
+def read_dims(config, arch: Arch) -> Dims:
+    n_heads = config.num_attention_heads
+    d_model = config.hidden_size
+    d_mlp = next((getattr(config, k) for k in arch.d_mlp_keys if getattr(config, k, None)), 4 * d_model)
+    return Dims(
+        n_layers=config.num_hidden_layers,
+        d_model=d_model,
+        n_heads=n_heads,
+        n_kv_heads=getattr(config, "num_key_value_heads", None) or n_heads,
+        d_head=getattr(config, "head_dim", None) or d_model // n_heads,
+        d_mlp=d_mlp,
+        d_vocab=config.vocab_size,
+        max_len=getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 2**31,
+    )
+
+
+def _registry() -> dict[str, Arch]:
+    from interp_engine.arch import gemma2, gpt2, gpt_neox, llama, phi
+
+    table: dict[str, Arch] = {}
+    for module in (llama, gemma2, gpt2, gpt_neox, phi):
+        for arch in module.ARCHES:
+            for model_type in arch.model_types:
+                table[model_type] = arch
+    return table
+
+
+def supported_model_types() -> tuple[str, ...]:
+    return tuple(sorted(_registry()))
+
+
+def arch_for(config, *, name: str = "this model") -> Arch:
+    model_type = getattr(config, "model_type", None)
+    arch = _registry().get(model_type)
+    if arch is None:
+        raise LoadError(fix(
+            f"{name!r} is a {model_type!r} model, an architecture interp_engine does not cover yet.",
+            f"use a model of a covered family: {', '.join(supported_model_types())}.",
+        ))
+    return arch

@@ -1,0 +1,18 @@
+"""Gemma-2: extra norms after attention and MLP, so attn_out/mlp_out are those norms' outputs (what the
+residual stream receives); attention logits are softcapped inside attention, final logits after the head."""
+
+from interp_engine.arch import Arch
+
+ARCHES = (
+    Arch(
+        family="gemma2",
+        model_types=("gemma2",),
+        layers="model.layers",
+        final_norm="model.norm",
+        unembed="lm_head",
+        attention="self_attn",
+        attn_out="post_attention_layernorm",
+        mlp_out="post_feedforward_layernorm",
+        mlp_down="mlp.down_proj",
+    ),
+)

@@ -1,0 +1,17 @@
+"""Llama and the families that share its layout: Mistral, Qwen2, Qwen3 (q/k norms live inside attention)."""
+
+from interp_engine.arch import Arch
+
+ARCHES = (
+    Arch(
+        family="llama",
+        model_types=("llama", "mistral", "qwen2", "qwen3"),
+        layers="model.layers",
+        final_norm="model.norm",
+        unembed="lm_head",
+        attention="self_attn",
+        attn_out="self_attn",
+        mlp_out="mlp",
+        mlp_down="mlp.down_proj",
+    ),
+)

@@ -1,0 +1,84 @@
+"""Attention functions registered with transformers' AttentionInterface.
+
+The eager runtime points a loaded model's `_attn_implementation` at `interp_engine_<impl>` (eager,
+sdpa, ...). With no site in the call's kwargs they hand straight to the model's own eager function or
+to SDPA, so an un-hooked forward computes exactly what HF computes. A site (injected per call by a pre-hook on
+the attention module and removed with it) gets q/k/v/z and, when asked, recomputes the pattern eagerly so
+attn_scores and attn_probs can be read and written.
+"""
+
+import sys
+
+import torch
+from torch import Tensor
+
+SITE_KW = "interp_engine_site"
+
+
+def name_for(impl: str) -> str:
+    return f"interp_engine_{impl}"
+
+
+def _base(module, impl: str):
+    if impl == "eager":
+        return getattr(sys.modules[type(module).__module__], "eager_attention_forward")
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS[impl]
+
+
+def _make(impl: str):
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        site = kwargs.pop(SITE_KW, None)
+        base = _base(module, impl)
+        if site is None:
+            return base(module, query, key, value, attention_mask, **kwargs)
+        return site.attend(base, module, query, key, value, attention_mask, **kwargs)
+
+    attention.__name__ = f"{name_for(impl)}_attention"
+    return attention
+
+
+def register(impl: str) -> str:
+    """Idempotent: add our wrapper of `impl` to transformers' attention and mask registries; return its name."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    name = name_for(impl)
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(name, _make(impl))
+    if name not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[impl])
+    return name
+
+
+def eager_pattern(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, *, scaling: float | None,
+                  softcap: float | None, touch_scores, touch_probs) -> tuple[Tensor, Tensor]:
+    """Eager attention as HF's eager functions compute it, with the scores and probs exposed to edits."""
+    n_rep = query.shape[1] // key.shape[1]
+    k = key.repeat_interleave(n_rep, dim=1) if n_rep > 1 else key
+    v = value.repeat_interleave(n_rep, dim=1) if n_rep > 1 else value
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    scores = torch.matmul(query, k.transpose(2, 3)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    q_len, k_len = scores.shape[-2:]
+    low = torch.finfo(scores.dtype).min
+    if mask is None:
+        rows = torch.arange(q_len, device=scores.device)[:, None] + (k_len - q_len)
+        masked = torch.arange(k_len, device=scores.device)[None, :] > rows
+        scores = scores.masked_fill(masked, low)
+    elif mask.dtype == torch.bool:
+        masked = ~mask[..., :k_len]
+        scores = scores.masked_fill(masked, low)
+    else:
+        additive = mask[..., :k_len]
+        masked = additive <= low / 2
+        scores = scores + additive
+    # Masked entries stay finite inside the forward (an all-masked padding row must not turn into NaN and leak
+    # through probs @ v); readers see them as -inf.
+    scores = touch_scores(scores, lambda s: s.masked_fill(masked, float("-inf")))
+    probs = torch.nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    probs = touch_probs(probs)
+    out = torch.matmul(probs, v).transpose(1, 2).contiguous()
+    return out, probs

@@ -1,0 +1,138 @@
+"""Applying ops to one activation tensor, restricted to the positions a `Step` selects.
+
+Tensors arrive in the point's presented layout: `batch pos ...` or, for attention patterns,
+`batch n_heads q_pos k_pos`. Every edit is out of place, so autograd and torch.func see plain tensor ops.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from interp_engine.addresses import PointInfo
+from interp_engine.errors import SpecError, fix
+from interp_engine.spec import Ablate, Add, Custom, Patch, Positions, Scale, Set
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """Where one forward pass's columns sit in each prompt."""
+
+    abs_pos: Tensor  # [b, pos]: position of each column in its prompt's sequence, -1 for padding
+    last: Tensor  # [b]: the position `"last"` means (last prompt token; the newest token while generating)
+    lengths: Tensor  # [b]: prompt lengths; negative indices count back from here
+    prompt_index: Tensor  # [b]: row -> index of the prompt in the whole call (for per-prompt data)
+    kv_in_place: bool = False  # generating: k/v edits are also written into the KV cache
+
+    @property
+    def valid(self) -> Tensor:
+        return self.abs_pos >= 0
+
+
+def select(positions: Positions, step: Step) -> Tensor | None:
+    """Boolean [b, pos] of the columns `positions` picks, or None for every column."""
+    ap = step.abs_pos
+    kind = positions.kind
+    if kind == "all":
+        return None
+    if kind == "last":
+        return ap == step.last[:, None]
+    if kind == "indices":
+        idx = torch.tensor(positions.indices, dtype=torch.long, device=ap.device)
+        wanted = torch.where(idx < 0, step.lengths[:, None].to(ap.device) + idx, idx)
+        return (ap[:, :, None] == wanted[:, None, :]).any(-1) & (ap >= 0)
+    if kind == "slice":
+        rows = []
+        for b in range(ap.shape[0]):
+            n = int(step.lengths[b])
+            start = positions.start or 0
+            start = start + n if start < 0 else start
+            stop = positions.stop
+            stop = (stop + n if stop < 0 else stop) if stop is not None else 2**62
+            every = positions.step or 1
+            a = ap[b]
+            rows.append((a >= max(start, 0)) & (a < stop) & ((a - start) % every == 0))
+        return torch.stack(rows)
+    rows = []
+    for b in range(ap.shape[0]):
+        sub = positions.per_prompt[int(step.prompt_index[b])]
+        one = Step(ap[b : b + 1], step.last[b : b + 1], step.lengths[b : b + 1], step.prompt_index[b : b + 1])
+        picked = select(sub, one)
+        rows.append(torch.ones_like(ap[b], dtype=torch.bool) if picked is None else picked[0])
+    return torch.stack(rows)
+
+
+def _expand_mask(mask: Tensor, x: Tensor, info: PointInfo) -> Tensor:
+    """[b, pos] -> broadcastable against x."""
+    if info.pos_axis == 2:
+        return mask[:, None, :, None]
+    return mask.reshape(*mask.shape, *([1] * (x.ndim - 2)))
+
+
+def _value(t: Tensor, x: Tensor, info: PointInfo, step: Step) -> tuple[Tensor, Tensor | None]:
+    """A per-position value broadcast against x, or a whole-point value gathered by (prompt, position)."""
+    t = t.to(device=x.device, dtype=x.dtype)
+    pa = info.pos_axis
+    feat = tuple(s for i, s in enumerate(x.shape) if i not in (0, pa))
+    if t.ndim != x.ndim:  # one position's worth: broadcast over batch and positions
+        shape = [1] * x.ndim
+        for i, s in zip([i for i in range(x.ndim) if i not in (0, pa)], feat):
+            shape[i] = s
+        return t.reshape(shape), None
+    ap = step.abs_pos.to(x.device)
+    rows = step.prompt_index.to(x.device) if t.shape[0] > 1 else torch.zeros_like(step.prompt_index).to(x.device)
+    width = t.shape[pa]
+    in_range = (ap >= 0) & (ap < width)
+    cols = ap.clamp(0, width - 1)
+    if pa == 1:
+        return t[rows[:, None], cols], in_range
+    g = t[rows[:, None], :, cols]  # [b, q, h, k]: advanced indices first
+    return g.permute(0, 2, 1, 3)[..., : x.shape[-1]], in_range
+
+
+def _head_mask(heads: tuple[int, ...], x: Tensor, info: PointInfo) -> Tensor:
+    axis = 1 if info.pos_axis == 2 else info.head_axis
+    shape = [1] * x.ndim
+    shape[axis] = x.shape[axis]
+    m = torch.zeros(x.shape[axis], dtype=torch.bool, device=x.device)
+    m[list(heads)] = True
+    return m.reshape(shape)
+
+
+def _mean(x: Tensor, info: PointInfo, step: Step) -> Tensor:
+    valid = _expand_mask(step.valid.to(x.device), x, info).to(x.dtype)
+    dims = (0, info.pos_axis)
+    return (x * valid).sum(dims, keepdim=True) / valid.sum(dims, keepdim=True).clamp_min(1)
+
+
+def apply(op, x: Tensor, info: PointInfo, step: Step) -> Tensor:
+    """The activation after `op`, changed only where `op.positions` selects."""
+    mask = select(op.positions, step)
+    if isinstance(op, Add):
+        v, in_range = _value(op.vector.tensor, x, info, step)
+        new = x + op.scale * v
+    elif isinstance(op, Set | Patch):
+        v, in_range = _value((op.value if isinstance(op, Set) else op.source).tensor, x, info, step)
+        new = v.expand_as(x)
+    elif isinstance(op, Scale):
+        in_range = None
+        new = x * op.factor if op.heads is None else torch.where(_head_mask(op.heads, x, info), x * op.factor, x)
+    elif isinstance(op, Ablate):
+        in_range = None
+        fill = torch.zeros_like(x) if op.how == "zero" else _mean(x, info, step).expand_as(x)
+        new = fill if op.heads is None else torch.where(_head_mask(op.heads, x, info), fill, x)
+    elif isinstance(op, Custom):
+        in_range = None
+        new = op.fn(x)
+        if not isinstance(new, Tensor) or new.shape != x.shape:
+            got = tuple(new.shape) if isinstance(new, Tensor) else type(new).__name__
+            raise SpecError(fix(f"Custom fn at {op.point} returned {got}; expected shape {tuple(x.shape)}.",
+                                "return a tensor shaped like its input."))
+        new = new.to(x.dtype)
+    else:  # pragma: no cover - Spec refuses other types
+        raise SpecError(f"unknown op {op!r}")
+    if in_range is not None:
+        mask = in_range if mask is None else mask & in_range
+    if mask is None:
+        return new
+    return torch.where(_expand_mask(mask, x, info), new, x)

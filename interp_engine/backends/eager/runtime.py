@@ -1,0 +1,186 @@
+"""The eager backend: a HF transformers model, hooked per call, never changed between calls."""
+
+import gc
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from interp_engine.addresses import Address
+from interp_engine.arch import Arch, Dims
+from interp_engine.backends.eager import attention
+from interp_engine.backends.eager.edits import Step
+from interp_engine.backends.eager.sites import Run, installed
+from interp_engine.inputs import Prompts
+from interp_engine.validate import Plan
+
+LOGITS = Address("logits")
+
+
+class EagerRuntime:
+    """Holds the tokenizer from construction and the weights from `load()` until `unload()`."""
+
+    def __init__(self, *, source: str | Path, arch: Arch, dims: Dims, device: str, dtype: torch.dtype,
+                 attn_implementation: str, num_gpus: int, hf_kwargs: Mapping[str, Any], tokenizer):
+        self.source, self.arch, self.dims = source, arch, dims
+        self.device, self.dtype, self.attn_implementation = device, dtype, attn_implementation
+        self.num_gpus, self.hf_kwargs, self.tokenizer = num_gpus, dict(hf_kwargs), tokenizer
+        self.model: torch.nn.Module | None = None
+        self._lock = threading.Lock()
+
+    # ----------------------------------------------------------------------------------------- lifecycle
+    @property
+    def is_loaded(self) -> bool:
+        return self.model is not None
+
+    def load(self) -> torch.nn.Module:
+        with self._lock:
+            if self.model is None:
+                from transformers import AutoModelForCausalLM
+
+                kwargs: dict[str, Any] = {"dtype": self.dtype, "attn_implementation": self.attn_implementation,
+                                          "local_files_only": True, **self.hf_kwargs}
+                if self.num_gpus > 1:
+                    kwargs.setdefault("device_map", "auto")
+                model = AutoModelForCausalLM.from_pretrained(str(self.source), **kwargs)
+                if "device_map" not in kwargs:
+                    model.to(self.device)
+                model.eval()
+                model.requires_grad_(False)
+                model.set_attn_implementation(attention.register(self.attn_implementation))
+                self.model = model
+            return self.model
+
+    def unload(self) -> None:
+        with self._lock:
+            self.model = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    # ----------------------------------------------------------------------------------------- tokens
+    def tokenize(self, text: str, *, prepend_bos: bool = True) -> list[int]:
+        ids = list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+        bos = self.tokenizer.bos_token_id
+        if bos is not None:
+            if prepend_bos and (not ids or ids[0] != bos):
+                ids = [bos, *ids]
+            elif not prepend_bos and ids and ids[0] == bos:
+                ids = ids[1:]
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    @property
+    def pad_id(self) -> int:
+        for candidate in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0):
+            if candidate is not None:
+                return int(candidate)
+        return 0
+
+    @property
+    def eos_id(self) -> int | None:
+        return self.tokenizer.eos_token_id
+
+    # ----------------------------------------------------------------------------------------- forward
+    def _forward(self, ids: Tensor, step: Step, run: Run, **model_kwargs) -> Tensor:
+        model = self.load()
+        run.step = step
+        with installed(model, self.arch, run, self.dims.n_layers):
+            out = model(input_ids=ids.to(self.device), **model_kwargs)
+        return run.touch(LOGITS, out.logits)
+
+    def forward(self, prompts: Prompts, plan: Plan, *, batch_size: int, want_logits: bool,
+                progress: bool = True) -> tuple[Tensor | None, dict[Address, Tensor]]:
+        """Run every prompt (chunks of `batch_size`, right-padded); return logits and the recorded points."""
+        chunks = prompts.chunks(batch_size)
+        width = max(prompts.lengths)
+        logits_parts, record_parts = [], {a: [] for a in plan.reads}
+        reads = frozenset(plan.reads) | ({LOGITS} if want_logits else frozenset())
+        bar = tqdm(chunks, desc="forward", unit="batch", disable=not progress or len(chunks) == 1)
+        with torch.inference_mode():
+            for rows in bar:
+                ids, lengths = prompts.right_padded(rows, self.pad_id)
+                step = _step(ids, lengths, rows)
+                run = Run(plan.ops, reads)
+                logits = self._forward(ids, step, run, use_cache=False)
+                for address, parts in record_parts.items():
+                    parts.append(_pad(_zero_padding(run.records[address][0], step, address), width, address))
+                if want_logits:
+                    logits_parts.append(_pad(_zero_padding(logits, step, LOGITS), width, LOGITS))
+        records = {a: torch.cat(p) for a, p in record_parts.items()}
+        return (torch.cat(logits_parts) if want_logits else None), records
+
+    def forward_with_grad(self, prompts: Prompts, plan: Plan, *, loss: Callable[[Tensor], Tensor],
+                          wrt: tuple[Address, ...], shapes: Mapping[Address, tuple[int, ...]]):
+        """Value and gradients of `loss(logits)` w.r.t. zero deltas added at `wrt` (torch.func)."""
+        from torch.func import grad_and_value
+
+        ids, lengths = prompts.right_padded(range(len(prompts)), self.pad_id)
+        step = _step(ids, lengths, range(len(prompts)))
+        model = self.load()
+        zeros = {a: torch.zeros(shapes[a], dtype=self.dtype, device=self.device) for a in wrt}
+
+        def objective(deltas: dict[Address, Tensor]) -> Tensor:
+            run = Run(plan.ops, frozenset(), deltas)
+            logits = _zero_padding(self._forward(ids, step, run, use_cache=False), step, LOGITS)
+            return loss(logits)
+
+        with torch.enable_grad():
+            grads, value = grad_and_value(objective)(zeros)
+        del model
+        return value.detach(), {a: _zero_padding(g, step, a) for a, g in grads.items()}
+
+    def unembed(self, resid: Tensor) -> Tensor:
+        """Final norm, unembedding and (where the arch has it) final logit softcap, on a [..., d_model] tensor."""
+        model = self.load()
+        with torch.inference_mode():
+            x = model.get_submodule(self.arch.final_norm)(resid.to(self.device))
+            logits = model.get_submodule(self.arch.unembed)(x)
+            cap = getattr(model.config, "final_logit_softcapping", None)
+            if cap:
+                logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    # ----------------------------------------------------------------------------------------- generate
+    def generate(self, prompts: Prompts, plan: Plan, *, max_new_tokens: int, temperature: float,
+                 top_k: int | None, top_p: float | None, seed: int | None, stop_at_eos: bool,
+                 batch_size: int, progress: bool = True):
+        from interp_engine.backends.eager.decode import decode
+
+        return decode(self, prompts, plan, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                      top_p=top_p, seed=seed, stop_at_eos=stop_at_eos, batch_size=batch_size, progress=progress)
+
+
+def _step(ids: Tensor, lengths: Tensor, rows: range) -> Step:
+    cols = torch.arange(ids.shape[1])[None, :].expand(ids.shape[0], -1)
+    abs_pos = torch.where(cols < lengths[:, None], cols, torch.full_like(cols, -1))
+    return Step(abs_pos=abs_pos, last=lengths - 1, lengths=lengths,
+                prompt_index=torch.tensor(list(rows), dtype=torch.long))
+
+
+def _zero_padding(t: Tensor, step: Step, address: Address) -> Tensor:
+    valid = step.valid.to(t.device)
+    if bool(valid.all()):
+        return t
+    if address.info.pos_axis == 2:
+        keep = valid[:, None, :, None] & valid[:, None, None, :]
+    else:
+        keep = valid.reshape(*valid.shape, *([1] * (t.ndim - 2)))
+    return torch.where(keep, t, torch.zeros((), dtype=t.dtype, device=t.device))
+
+
+def _pad(t: Tensor, width: int, address: Address) -> Tensor:
+    """Right-pad the position axis (both for patterns) to `width` with zeros."""
+    if address.info.pos_axis == 2:
+        extra = width - t.shape[2]
+        return torch.nn.functional.pad(t, (0, extra, 0, extra)) if extra else t
+    extra = width - t.shape[1]
+    if not extra:
+        return t
+    return torch.nn.functional.pad(t, (*([0, 0] * (t.ndim - 2)), 0, extra))

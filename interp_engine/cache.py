@@ -1,0 +1,65 @@
+"""The Cache: activations at addresses, right-padded across a ragged batch, with each prompt's length."""
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import torch
+
+from interp_engine.addresses import Address
+from interp_engine.errors import PointError, fix
+
+
+@dataclass(frozen=True, slots=True)
+class Cache(Mapping):
+    """`cache[Address("resid_post", 3)]` or `cache["resid_post.3"]` -> a tensor in the point's axes.
+
+    Rows are prompts; positions past a prompt's length (`lengths[i]`) are padding, filled with zeros.
+    """
+
+    tensors: Mapping[Address, torch.Tensor]
+    lengths: tuple[int, ...]
+    n_layers: int
+    model_name: str = ""
+
+    def __post_init__(self):
+        object.__setattr__(self, "tensors", MappingProxyType(dict(self.tensors)))
+
+    def _key(self, key: "str | Address") -> Address:
+        address = Address.parse(key).resolve(self.n_layers, model_name=self.model_name)
+        if address not in self.tensors:
+            held = ", ".join(map(str, self.tensors)) or "nothing"
+            raise PointError(fix(f"this cache holds no {address}; it holds {held}.",
+                                 f"capture it: capture(model, tokens, [{str(address)!r}])."))
+        return address
+
+    def __getitem__(self, key: "str | Address") -> torch.Tensor:
+        return self.tensors[self._key(key)]
+
+    def get_tensor(self, key: "str | Address") -> torch.Tensor:
+        return self[key]
+
+    def __iter__(self) -> Iterator[Address]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def __contains__(self, key: object) -> bool:
+        try:
+            self._key(key)  # type: ignore[arg-type]
+        except (PointError, TypeError):
+            return False
+        return True
+
+    def unpadded(self, key: "str | Address") -> list[torch.Tensor]:
+        """One tensor per prompt, cut to that prompt's length (both axes for attention patterns)."""
+        address = self._key(key)
+        t = self.tensors[address]
+        if address.info.pos_axis == 2:
+            return [t[i, :, :n, :n] for i, n in enumerate(self.lengths)]
+        return [t[i, :n] for i, n in enumerate(self.lengths)]
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(f"{a}: {tuple(t.shape)}" for a, t in self.tensors.items())
+        return f"Cache({shapes}; lengths={list(self.lengths)})"

@@ -1,0 +1,33 @@
+"""One error hierarchy. Every message says what went wrong, why, and the fix.
+
+Each class also inherits the builtin a caller would naturally catch, so `except ValueError` still works.
+"""
+
+
+class InterpEngineError(Exception):
+    """Root of every error interp_engine raises on purpose."""
+
+
+class PointError(InterpEngineError, LookupError):
+    """An address names a point or layer this model does not have."""
+
+
+class SpecError(InterpEngineError, ValueError):
+    """A spec, vector, position or input fails validation (raised before any forward pass)."""
+
+
+class BackendError(InterpEngineError, NotImplementedError):
+    """The backend cannot serve this request; the message names the one that can."""
+
+
+class LoadError(InterpEngineError, RuntimeError):
+    """A model cannot be loaded as asked (missing files, unknown architecture, bad keyword)."""
+
+
+class InputTypeError(InterpEngineError, TypeError):
+    """An argument has the wrong type."""
+
+
+def fix(what: str, remedy: str) -> str:
+    """Format a message in the house shape: what happened, then an indented `Fix:` line."""
+    return f"{what}\n  Fix: {remedy}"

@@ -1,0 +1,68 @@
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from beartype import beartype
+from jaxtyping import Int, jaxtyped
+from torch import Tensor
+
+from interp_engine.addresses import Address
+from interp_engine.cache import Cache
+from interp_engine.errors import SpecError, fix
+from interp_engine.func._prepare import prepare
+from interp_engine.func.shapes import check_shapes
+from interp_engine.handle import ModelHandle
+from interp_engine.inputs import PromptsLike
+from interp_engine.spec import Op, Spec
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """What `generate` returns: new tokens and text per prompt, the full sequences, optional captures.
+
+    `sequences` is [batch, pos] right-padded with the pad id; `lengths` says where each row ends.
+    `cache` (when `capture=` was given) holds the generated positions only, one per new token.
+    """
+
+    tokens: tuple[tuple[int, ...], ...]
+    text: tuple[str, ...]
+    sequences: Int[Tensor, "batch pos"]
+    lengths: tuple[int, ...]
+    cache: Cache | None = None
+
+
+@jaxtyped(typechecker=beartype)
+def generate(model: ModelHandle, prompts: PromptsLike, spec: Spec | Op | Sequence[Op] | None = None, *,
+             max_new_tokens: int = 32, capture: Sequence[str | Address] | None = None, temperature: float = 0.0,
+             top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+             stop_at_eos: bool = True, batch_size: int = 32, progress: bool = True) -> Generation:
+    """Generate with the spec's edits applied at every step (greedy at temperature 0, else sampled).
+
+    Positions mean what they mean in `steer`: indices count in each prompt's own sequence, so an index past
+    the prompt lands on a generated token; "last" is the newest token at every step.
+    """
+    if max_new_tokens < 1:
+        raise SpecError(fix(f"max_new_tokens={max_new_tokens} generates nothing.", "pass max_new_tokens >= 1."))
+    if temperature < 0 or (top_p is not None and not 0 < top_p <= 1) or (top_k is not None and top_k < 1):
+        raise SpecError(fix(f"sampling settings temperature={temperature}, top_k={top_k}, top_p={top_p} are out "
+                            "of range.", "use temperature >= 0, top_k >= 1, 0 < top_p <= 1."))
+    reads = capture or ()
+    batch, plan = prepare(model, prompts, spec, reads, purpose="generate", verb="generate", batch_size=batch_size)
+    longest = max(batch.lengths) + max_new_tokens
+    if longest > model.dims.max_len:
+        raise SpecError(fix(f"a prompt of {max(batch.lengths)} tokens plus {max_new_tokens} new ones exceeds the "
+                            f"model's {model.dims.max_len} positions.", "lower max_new_tokens or shorten the prompt."))
+    new, records = model.runtime.generate(batch, plan, max_new_tokens=max_new_tokens, temperature=temperature,
+                                          top_k=top_k, top_p=top_p, seed=seed, stop_at_eos=stop_at_eos,
+                                          batch_size=batch_size, progress=progress)
+    full = [list(p) + list(n) for p, n in zip(batch.ids, new)]
+    width = max(len(f) for f in full)
+    sequences = torch.full((len(full), width), model.runtime.pad_id, dtype=torch.long)
+    for i, row in enumerate(full):
+        sequences[i, : len(row)] = torch.tensor(row)
+    cache = None
+    if capture is not None:
+        cache = Cache(records, tuple(len(n) for n in new), model.n_layers, model.name)
+        check_shapes(cache, model)
+    return Generation(tokens=tuple(tuple(n) for n in new), text=tuple(model.runtime.decode(n) for n in new),
+                      sequences=sequences, lengths=tuple(len(f) for f in full), cache=cache)

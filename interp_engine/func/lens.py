@@ -1,0 +1,41 @@
+from collections.abc import Sequence
+
+import torch
+from beartype import beartype
+from jaxtyping import Float, jaxtyped
+from torch import Tensor
+
+from interp_engine.addresses import Address
+from interp_engine.errors import SpecError, fix
+from interp_engine.func._prepare import prepare
+from interp_engine.handle import ModelHandle
+from interp_engine.inputs import PromptsLike
+from interp_engine.spec import Op, Spec
+
+
+@jaxtyped(typechecker=beartype)
+def logit_lens(model: ModelHandle, tokens: PromptsLike, *, points: Sequence[str | Address] | None = None,
+               spec: Spec | Op | Sequence[Op] | None = None, batch_size: int = 32,
+               progress: bool = True) -> Float[Tensor, "layer batch pos d_vocab"]:
+    """Next-token log-probs read off each point through the final norm and unembedding.
+
+    `points` default to resid_post at every layer; any point with d_model features works (resid_*, attn_out,
+    mlp_out, embed, final). Row `i` of the result is `points[i]`. Padded positions are zeros.
+    """
+    chosen = [Address.parse(p) for p in points] if points is not None else \
+        [Address("resid_post", i) for i in range(model.n_layers)]
+    bad = [str(a) for a in chosen if a.info.axes != ("batch", "pos", "d_model")]
+    if bad:
+        raise SpecError(fix(f"the logit lens reads the residual stream; {', '.join(bad)} is not d_model-shaped.",
+                            "use resid_pre/resid_mid/resid_post, attn_out, mlp_out, embed or final."))
+    prompts, plan = prepare(model, tokens, spec, chosen, purpose="forward", verb="logit_lens", batch_size=batch_size)
+    _, records = model.runtime.forward(prompts, plan, batch_size=batch_size, want_logits=False, progress=progress)
+    resolved = [a.resolve(model.n_layers) for a in chosen]
+    valid = torch.zeros(len(prompts), max(prompts.lengths), dtype=torch.bool)
+    for i, n in enumerate(prompts.lengths):
+        valid[i, :n] = True
+    out = []
+    for address in resolved:
+        logprobs = torch.log_softmax(model.runtime.unembed(records[address]).float(), dim=-1)
+        out.append(torch.where(valid[..., None].to(logprobs.device), logprobs, torch.zeros((), device=logprobs.device)))
+    return torch.stack(out)

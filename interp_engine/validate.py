@@ -1,0 +1,123 @@
+"""Everything checked before any forward pass, every problem reported at once."""
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from interp_engine.addresses import Address
+from interp_engine.arch import Dims
+from interp_engine.errors import BackendError, InterpEngineError, PointError, SpecError, fix
+from interp_engine.spec import Add, Custom, Patch, Positions, Set, Spec
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A validated request: ops grouped per resolved address (spec order kept), and addresses to read."""
+
+    ops: dict[Address, tuple]
+    reads: tuple[Address, ...]
+
+
+def feature_shape(address: Address, dims: Dims, width: int) -> tuple[int, ...]:
+    """One position's shape at `address` (for attention patterns: one query row, `width` keys)."""
+    sizes = {"d_model": dims.d_model, "n_heads": dims.n_heads, "n_kv_heads": dims.n_kv_heads,
+             "d_head": dims.d_head, "d_mlp": dims.d_mlp, "d_vocab": dims.d_vocab, "k_pos": width}
+    return tuple(sizes[a] for a in address.info.axes if a not in ("batch", "pos", "q_pos"))
+
+
+def _resolve(address: Address, model, problems: list) -> Address | None:
+    try:
+        resolved = address.resolve(model.n_layers, model_name=model.name)
+    except InterpEngineError as e:
+        problems.append(e)
+        return None
+    info = resolved.info
+    if info.needs_eager_attention and model.backend == "eager" and model.attn_implementation != "eager":
+        problems.append(BackendError(fix(
+            f"{resolved} needs attention weights, which {model.attn_implementation!r} attention never forms.",
+            f'load with load_model({model.name!r}, backend="eager", attn_implementation="eager").')))
+        return None
+    return resolved
+
+
+def _check_value(op, name: str, shape: tuple[int, ...], address: Address, feat: tuple[int, ...],
+                 n_prompts: int, problems: list) -> None:
+    if shape == feat and address.info.pos_axis == 1:
+        return
+    full = len(shape) == len(feat) + 2
+    if full:
+        pa = address.info.pos_axis
+        rest = tuple(s for i, s in enumerate(shape) if i not in (0, pa))
+        rest_ok = rest == feat if pa == 1 else (rest[0] == feat[0] and rest[1] >= feat[1])
+        if shape[0] in (1, n_prompts) and rest_ok:
+            return
+    axes = " ".join(a for a in address.info.axes if a not in ("batch", "pos", "q_pos"))
+    one = f"{feat} (one position: {axes})" if address.info.pos_axis == 1 else "no per-position form"
+    problems.append(SpecError(fix(
+        f"{type(op).__name__} at {address}: {name} has shape {shape}, but {address.point} holds {feat} per position.",
+        f"pass a {name} of shape {one}, or the whole point: ({n_prompts} or 1, pos, ...) as a capture returns it.")))
+
+
+def _check_positions(positions: Positions, address: Address, n_prompts: int, longest: int, generating: bool,
+                     problems: list) -> None:
+    if positions.kind == "per_prompt":
+        if len(positions.per_prompt) != n_prompts:
+            problems.append(SpecError(fix(f"positions at {address} give {len(positions.per_prompt)} entries for {n_prompts} prompts.",
+                                "give one positions entry per prompt.")))
+        for p in positions.per_prompt:
+            _check_positions(p, address, n_prompts, longest, generating, [] if generating else problems)
+    elif positions.kind == "indices" and not generating:
+        bad = [i for i in positions.indices if i >= longest or i < -longest]
+        if bad:
+            problems.append(SpecError(fix(f"positions {bad} at {address} are past the end of every prompt (the longest has "
+                                f"{longest} tokens).", f"use indices in -{longest}..{longest - 1}.")))
+
+
+def plan(model, spec: Spec, reads: Iterable[Address], *, n_prompts: int, longest: int,
+         purpose: str = "forward") -> Plan:
+    """Resolve and check a spec and a read list against `model`; raise one error naming every problem."""
+    problems: list = []
+    generating = purpose == "generate"
+    ops: dict[Address, list] = {}
+    for op in spec.ops:
+        address = _resolve(op.point, model, problems)
+        if address is None:
+            continue
+        if generating and address.info.needs_eager_attention:
+            problems.append(SpecError(fix(f"{address} cannot be edited while generating: the pattern grows every step.",
+                                "edit q/k/v instead, or steer() the full sequence.")))
+        if isinstance(op, Custom) and model.backend != "eager":
+            problems.append(BackendError(fix(f"Custom at {address} holds a Python function, which never crosses into a vLLM "
+                                "worker.", 'use backend="eager" for Custom ops, or express it with Add/Set/Scale/Ablate.')))
+        feat = feature_shape(address, model.dims, longest)
+        if isinstance(op, Add | Set | Patch):
+            name = {Add: "vector", Set: "value", Patch: "source"}[type(op)]
+            _check_value(op, name, getattr(op, name).shape, address, feat, n_prompts, problems)
+        heads = getattr(op, "heads", None)
+        if heads is not None:
+            axis = address.info.head_axis
+            if axis is None:
+                problems.append(SpecError(fix(f"{type(op).__name__} at {address} names heads, but {address.point} has no "
+                                    "head axis.", "drop heads=, or target q, k, v, z, attn_scores or attn_probs.")))
+            else:
+                count = model.n_kv_heads if address.info.axes[axis] == "n_kv_heads" else model.n_heads
+                bad = [h for h in heads if not 0 <= h < count]
+                if bad:
+                    problems.append(PointError(fix(f"heads {bad} at {address} do not exist: {address.point} has {count} heads.",
+                                        f"use head indices in 0..{count - 1}.")))
+        _check_positions(op.positions, address, n_prompts, longest, generating, problems)
+        ops.setdefault(address, []).append(op)
+    resolved_reads = []
+    for address in reads:
+        resolved = _resolve(Address.parse(address), model, problems)
+        if resolved is None:
+            continue
+        if generating and resolved.info.needs_eager_attention:
+            problems.append(SpecError(fix(f"{resolved} cannot be captured while generating: the pattern grows every step.",
+                                "capture it afterwards: capture(model, out.sequences, [...]).")))
+        resolved_reads.append(resolved)
+    if len(problems) == 1:
+        raise problems[0]
+    if problems:
+        listed = "\n".join(f"{i}. {p}" for i, p in enumerate(problems, 1))
+        raise SpecError(f"{len(problems)} problems with this request (nothing was run):\n{listed}")
+    return Plan({a: tuple(o) for a, o in ops.items()}, tuple(dict.fromkeys(resolved_reads)))

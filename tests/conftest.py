@@ -1,0 +1,101 @@
+"""Tiny real models built once per session from real configs; the purity check that runs around every test."""
+
+import warnings
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from interp_engine import load_model
+from interp_engine.tiny import FAMILIES, build_tiny_model
+
+PROMPTS = ["Hello, world! Tell me a story", "Paris is the capital of", "The quick brown fox jumps over the lazy dog."]
+_MODELS: dict = {}
+_BASELINES: dict = {}
+
+
+@pytest.fixture(scope="session")
+def tiny_path(tmp_path_factory):
+    """tiny_path(family) -> folder of a tiny fp32 model of that family (built once per session)."""
+    root = tmp_path_factory.mktemp("tiny")
+    built: dict[str, object] = {}
+
+    def get(family: str):
+        if family not in built:
+            built[family] = build_tiny_model(family, root / family)
+        return built[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def eager(tiny_path):
+    """eager(family, attn="eager", grad=False) -> a loaded handle, shared by the session."""
+
+    def get(family: str, attn: str = "eager", grad: bool = False):
+        key = (family, attn, grad)
+        if key not in _MODELS:
+            handle = load_model(str(tiny_path(family)), backend="eager", attn_implementation=attn,
+                                requires_grad=grad, device="cpu")
+            handle.runtime.load()
+            _MODELS[key] = handle
+            _BASELINES[key] = (_param_digest(handle), _baseline_logits(handle))
+        return _MODELS[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_reference(tiny_path):
+    """hf_reference(family) -> a plain HF model (eager attention) that interp_engine never touched."""
+    refs: dict = {}
+
+    def get(family: str):
+        if family not in refs:
+            refs[family] = AutoModelForCausalLM.from_pretrained(str(tiny_path(family)), attn_implementation="eager",
+                                                                dtype=torch.float32).eval()
+        return refs[family]
+
+    return get
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request):
+    return request.param
+
+
+def _param_digest(handle) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in handle.runtime.model.parameters()]
+
+
+def _baseline_logits(handle) -> torch.Tensor:
+    ids = torch.tensor([handle.tokenize(PROMPTS[0])])
+    with torch.inference_mode():
+        return handle.runtime.model(input_ids=ids).logits.clone()
+
+
+def assert_pure(handle, params: list[torch.Tensor], logits: torch.Tensor) -> None:
+    model = handle.runtime.model
+    for name, module in model.named_modules():
+        hooks = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
+                 getattr(module, "_forward_hooks_with_kwargs", {}), getattr(module, "_forward_pre_hooks_with_kwargs", {}))
+        assert not any(hooks), f"a hook survived on {name or 'the model'} of {handle.name}"
+    for before, after in zip(params, model.parameters()):
+        assert torch.equal(before, after), f"a parameter of {handle.name} changed"
+    assert torch.equal(_baseline_logits(handle), logits), f"baseline logits of {handle.name} changed"
+
+
+@pytest.fixture(autouse=True)
+def purity():
+    """After every test: no hook on any module, parameters bit-identical, baseline logits bit-identical."""
+    yield
+    for key, handle in _MODELS.items():
+        if handle.runtime.model is not None:
+            assert_pure(handle, *_BASELINES[key])
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        yield

@@ -1,0 +1,74 @@
+"""capture() against HF's own outputs, and every point against the layer's remaining ops done by hand."""
+
+import pytest
+import torch
+
+from interp_engine import capture
+from tests.conftest import PROMPTS
+
+# The output projection of attention per family: z -> (this) -> attention's contribution before extra norms.
+O_PROJ = {"llama": "self_attn.o_proj", "mistral": "self_attn.o_proj", "qwen2": "self_attn.o_proj",
+          "qwen3": "self_attn.o_proj", "gemma2": "self_attn.o_proj", "gpt2": "attn.c_proj",
+          "gpt_neox": "attention.dense", "phi": "self_attn.dense"}
+POST_NORMS = {"gemma2": ("post_attention_layernorm", "post_feedforward_layernorm")}
+ATOL = 1e-5
+
+
+def _close(a, b, atol=ATOL):
+    assert a.shape == b.shape, (a.shape, b.shape)
+    err = (a - b).abs().max().item()
+    assert err <= atol, f"max abs error {err}"
+
+
+def test_resid_embed_final_logits_and_probs_match_hf(family, eager, hf_reference):
+    model, ref = eager(family), hf_reference(family)
+    tokens = model.to_tokens(PROMPTS[2])
+    cache = capture(model, tokens, model.points())
+    with torch.inference_mode():
+        out = ref(tokens, output_hidden_states=True, output_attentions=True)
+    n = model.n_layers
+    _close(cache["embed"], out.hidden_states[0])
+    for layer in range(n - 1):  # HF's last hidden state is after the final norm
+        _close(cache[f"resid_post.{layer}"], out.hidden_states[layer + 1])
+        _close(cache[f"resid_pre.{layer + 1}"], out.hidden_states[layer + 1])
+    _close(cache["final"], out.hidden_states[n])
+    _close(cache["logits"], out.logits)
+    for layer in range(n):
+        _close(cache[f"attn_probs.{layer}"], out.attentions[layer])
+
+
+def test_every_point_reproduces_the_layer_by_hand(family, eager):
+    model = eager(family)
+    hf = model.runtime.model
+    layers = hf.get_submodule(model.arch.layers)
+    cache = capture(model, model.to_tokens(PROMPTS[2]), model.points())
+    softcap = getattr(hf.config, "attn_logit_softcapping", None)
+    post_attn, post_mlp = POST_NORMS.get(family, (None, None))
+    with torch.inference_mode():
+        for i in range(model.n_layers):
+            layer = layers[i]
+            at = lambda p: cache[f"{p}.{i}"]  # noqa: E731
+            q, k, v, z = at("q"), at("k"), at("v"), at("z")
+            rep = model.n_heads // model.n_kv_heads
+            k_rep, v_rep = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+            scores = torch.einsum("bqhd,bkhd->bhqk", q, k_rep) * layer.get_submodule(
+                O_PROJ[family].split(".")[0]).scaling
+            if softcap:
+                scores = torch.tanh(scores / softcap) * softcap
+            captured = at("attn_scores")
+            finite = torch.isfinite(captured)
+            future = torch.ones_like(finite[0, 0]).triu(1).bool()
+            assert not finite[..., future].any(), "future keys must be -inf"
+            _close(captured[finite], scores[finite], 1e-4)
+            _close(torch.softmax(captured, -1), at("attn_probs"))
+            _close(torch.einsum("bhqk,bkhd->bqhd", at("attn_probs"), v_rep), z)
+            attn = layer.get_submodule(O_PROJ[family])(z.flatten(2))
+            if post_attn:
+                attn = layer.get_submodule(post_attn)(attn)
+            _close(attn, at("attn_out"))
+            _close(at("resid_pre") + at("attn_out"), at("resid_mid"))
+            mlp = layer.get_submodule(model.arch.mlp_down)(at("mlp_act"))
+            if post_mlp:
+                mlp = layer.get_submodule(post_mlp)(mlp)
+            _close(mlp, at("mlp_out"))
+            _close(at("resid_mid") + at("mlp_out"), at("resid_post"))
