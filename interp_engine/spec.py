@@ -38,8 +38,8 @@ class TensorData:
             raise SpecError(fix(f"{what} has dtype {value.dtype}; edits need a floating-point tensor.",
                                 f"pass {what}.float() (it is cast to the model dtype at run time)."))
         t = value.detach().cpu().contiguous()
-        if not bool(torch.isfinite(t).all()):
-            raise SpecError(fix(f"{what} contains NaN or inf; it would poison every later activation.",
+        if bool(torch.isnan(t).any()) or bool(torch.isposinf(t).any()):
+            raise SpecError(fix(f"{what} contains NaN or +inf; it would poison every later activation.",
                                 f"clean it first, e.g. torch.nan_to_num({what})."))
         h = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())

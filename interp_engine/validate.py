@@ -41,6 +41,10 @@ def _resolve(address: Address, model, problems: list) -> Address | None:
 
 def _check_value(op, name: str, shape: tuple[int, ...], address: Address, feat: tuple[int, ...],
                  n_prompts: int, problems: list) -> None:
+    if address.point != "attn_scores" and bool(getattr(op, name).tensor.isneginf().any()):
+        problems.append(SpecError(fix(f"{type(op).__name__} at {address}: {name} contains -inf, which only "
+                                      "attn_scores can hold (a masked key).",
+                                      f"clean it first, e.g. torch.nan_to_num({name}).")))
     if shape == feat and address.info.pos_axis == 1:
         return
     full = len(shape) == len(feat) + 2

@@ -76,8 +76,9 @@ def eager_pattern(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None
         masked = additive <= low / 2
         scores = scores + additive
     # Masked entries stay finite inside the forward (an all-masked padding row must not turn into NaN and leak
-    # through probs @ v); readers see them as -inf.
-    scores = touch_scores(scores, lambda s: s.masked_fill(masked, float("-inf")))
+    # through probs @ v); readers see them as -inf. Edits cannot unmask a key: causality is not editable.
+    edited = touch_scores(scores, lambda s: s.masked_fill(masked, float("-inf")))
+    scores = edited if edited is scores else edited.masked_fill(masked, low)
     probs = torch.nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     probs = touch_probs(probs)
     out = torch.matmul(probs, v).transpose(1, 2).contiguous()
