@@ -17,7 +17,11 @@ Interpretability asks which features a network computes, where it stores facts, 
 Steering adds a direction to the residual stream; patching swaps activations between two runs.
 Hello, world! Tell me a story about a dragon who learned to read, and the city that built it a library.
 Attention heads move information between positions; the MLP layers read and write features.
-Paris is the capital of France. Berlin is the capital of Germany. Rome is the capital of Italy.
+Paris is the capital of France.
+Berlin is the capital of Germany.
+Rome is the capital of Italy.
+Madrid is the capital of Spain.
+The capital of France is Paris, and the capital of Germany is Berlin.
 Once upon a time there was a small model with four heads and two layers, and it was very curious.
 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 + - * / = ( ) [ ] { } < > ? ! . , ; : ' "
 """
@@ -73,9 +77,12 @@ def build_tiny_model(
     seed: int = 0,
     overrides: Mapping[str, Any] | None = None,
     initializer_range: float = 0.1,
+    train_steps: int = 0,
 ) -> Path:
-    """Write a randomly initialised `family` model (fp32) and its tokenizer to `out_dir`; return the path.
+    """Write a `family` model (fp32) and its tokenizer to `out_dir`; return the path.
 
+    Weights are random unless `train_steps` > 0, which fits the model to the built-in corpus for that many
+    full-batch AdamW steps (a few seconds on a CPU) so that the demo's text means something.
     `initializer_range` is larger than HF's default so that next-token distributions are peaked and greedy
     decoding is not decided by ties.
     """
@@ -94,6 +101,24 @@ def build_tiny_model(
     config = AutoConfig.for_model(family, **kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if train_steps:
+        _fit(model, tokenizer, train_steps)
     model.save_pretrained(str(out))
     (out / "interp_engine_tiny.json").write_text(json.dumps({"family": family, "seed": seed}))
     return out
+
+
+def _fit(model, tokenizer, steps: int) -> None:
+    import torch
+
+    lines = [line for line in _CORPUS.strip().splitlines() if line.strip()]
+    batch = tokenizer(lines, padding=True, return_tensors="pt")
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    model.train()
+    for _ in range(steps):
+        loss = model(**batch, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
