@@ -31,6 +31,8 @@ class EagerRuntime:
         self.num_gpus, self.hf_kwargs, self.tokenizer = num_gpus, dict(hf_kwargs), tokenizer
         self.model: torch.nn.Module | None = None
         self._lock = threading.Lock()
+        # Hooks live on the shared modules while a call runs, so calls on one handle take turns.
+        self._busy = threading.RLock()
 
     # ----------------------------------------------------------------------------------------- lifecycle
     @property
@@ -103,7 +105,7 @@ class EagerRuntime:
         logits_parts, record_parts = [], {a: [] for a in plan.reads}
         reads = frozenset(plan.reads) | ({LOGITS} if want_logits else frozenset())
         bar = tqdm(chunks, desc="forward", unit="batch", disable=not progress or len(chunks) == 1)
-        with torch.inference_mode():
+        with self._busy, torch.inference_mode():
             for rows in bar:
                 ids, lengths = prompts.right_padded(rows, self.pad_id)
                 step = _step(ids, lengths, rows)
@@ -123,7 +125,6 @@ class EagerRuntime:
 
         ids, lengths = prompts.right_padded(range(len(prompts)), self.pad_id)
         step = _step(ids, lengths, range(len(prompts)))
-        model = self.load()
         zeros = {a: torch.zeros(shapes[a], dtype=self.dtype, device=self.device) for a in wrt}
 
         def objective(deltas: dict[Address, Tensor]) -> Tensor:
@@ -131,9 +132,8 @@ class EagerRuntime:
             logits = _zero_padding(self._forward(ids, step, run, use_cache=False), step, LOGITS)
             return loss(logits)
 
-        with torch.enable_grad():
+        with self._busy, torch.enable_grad():
             grads, value = grad_and_value(objective)(zeros)
-        del model
         return value.detach(), {a: _zero_padding(g, step, a) for a, g in grads.items()}
 
     def unembed(self, resid: Tensor) -> Tensor:
@@ -153,8 +153,10 @@ class EagerRuntime:
                  batch_size: int, progress: bool = True):
         from interp_engine.backends.eager.decode import decode
 
-        return decode(self, prompts, plan, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                      top_p=top_p, seed=seed, stop_at_eos=stop_at_eos, batch_size=batch_size, progress=progress)
+        with self._busy:
+            return decode(self, prompts, plan, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                          top_p=top_p, seed=seed, stop_at_eos=stop_at_eos, batch_size=batch_size,
+                          progress=progress)
 
 
 def _step(ids: Tensor, lengths: Tensor, rows: range) -> Step:
