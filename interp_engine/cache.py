@@ -10,7 +10,7 @@ from interp_engine.addresses import Address
 from interp_engine.errors import PointError, fix
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Cache(Mapping):
     """`cache[Address("resid_post", 3)]` or `cache["resid_post.3"]` -> a tensor in the point's axes.
 

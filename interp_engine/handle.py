@@ -14,7 +14,9 @@ from interp_engine.arch import Arch, Dims
 from interp_engine.errors import SpecError, fix
 
 
-@dataclass(frozen=True, slots=True)
+# Not slotted: a frozen, slotted dataclass answers an assignment to a non-field name (a property such as
+# n_layers) with a TypeError from inside dataclasses instead of FrozenInstanceError.
+@dataclass(frozen=True)
 class ModelHandle:
     """An immutable handle. Setting an attribute raises; the pure functions never change the model."""
 

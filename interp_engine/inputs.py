@@ -5,12 +5,13 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 import torch
-from jaxtyping import Int
 from torch import Tensor
 
 from interp_engine.errors import InputTypeError, SpecError, fix
 
-PromptsLike = Union[str, Sequence[str], Int[Tensor, "batch pos"], Sequence[Int[Tensor, " pos"]], Sequence[Sequence[int]]]
+# Tensors are typed loosely here so that a float tensor reaches to_prompts' message (with its fix) rather
+# than a type-checker dump; to_prompts checks the dtype and rank itself.
+PromptsLike = Union[str, Sequence[str], Tensor, Sequence[Tensor], Sequence[Sequence[int]]]
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ from typing import Any, Literal, Union
 import torch
 
 from interp_engine.addresses import Address
-from interp_engine.errors import InputTypeError, SpecError, fix
+from interp_engine.errors import InputTypeError, InterpEngineError, SpecError, fix
 
 # ---------------------------------------------------------------------------------------------- tensors
 
@@ -56,13 +56,27 @@ class TensorData:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, what: str) -> "TensorData":
-        dtype = getattr(torch, str(d.get("dtype")), None)
+        remedy = "pass the {dtype, shape, data} dict that Spec.to_dict() wrote, unchanged."
+        if not isinstance(d, Mapping) or not {"dtype", "shape", "data"} <= set(d):
+            raise SpecError(fix(f"{what} is not a tensor dict (dtype, shape, data).", remedy))
+        dtype = getattr(torch, str(d["dtype"]), None)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise SpecError(fix(f"{what}: unknown tensor dtype {d.get('dtype')!r}.",
+            raise SpecError(fix(f"{what}: unknown tensor dtype {d['dtype']!r}.",
                                 'use a floating dtype name such as "float32" or "bfloat16".'))
-        raw = bytearray(base64.b64decode(d["data"]))
-        t = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(d["shape"]) if raw else \
-            torch.empty(d["shape"], dtype=dtype)
+        shape = d["shape"]
+        try:
+            if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
+                raise ValueError("shape must be a list of sizes")
+            raw = bytearray(base64.b64decode(d["data"], validate=True))
+            count = 1
+            for s in shape:
+                count *= s
+            if len(raw) != count * dtype.itemsize:
+                raise ValueError(f"{len(raw)} bytes of data for shape {shape} of {d['dtype']}")
+        except (ValueError, TypeError) as e:
+            raise SpecError(fix(f"{what} is malformed: {e}.", remedy)) from None
+        t = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape) if raw else \
+            torch.empty(shape, dtype=dtype)
         return cls.of(t.clone(), what=what)
 
 
@@ -95,6 +109,9 @@ class Positions:
         if isinstance(value, int):
             return cls("indices", indices=(value,))
         if isinstance(value, slice):
+            parts = (value.start, value.stop, value.step)
+            if not all(p is None or (isinstance(p, int) and not isinstance(p, bool)) for p in parts):
+                raise SpecError(fix(f"positions slice {value!r} must hold ints or None.", "e.g. slice(2, None)."))
             if value.step is not None and value.step <= 0:
                 raise SpecError(fix(f"positions slice step must be positive, got {value.step}.", "use slice(a, b, 1)."))
             return cls("slice", start=value.start, stop=value.stop, step=value.step)
@@ -121,6 +138,8 @@ class Positions:
     @classmethod
     def from_dict(cls, d: Any) -> "Positions":
         if isinstance(d, Mapping) and "slice" in d:
+            if not isinstance(d["slice"], list) or len(d["slice"]) != 3:
+                raise SpecError(fix(f"positions {d!r} is not a slice.", 'write {"slice": [start, stop, step]}.'))
             return cls.of(slice(*d["slice"]))
         if isinstance(d, Mapping) and "per_prompt" in d:
             return cls("per_prompt", per_prompt=tuple(cls.from_dict(p) for p in d["per_prompt"]))
@@ -323,7 +342,7 @@ class Spec:
         ops = []
         for i, raw in enumerate(d["ops"]):
             kind = raw.get("op") if isinstance(raw, Mapping) else None
-            op_type = OP_TYPES.get(kind)
+            op_type = OP_TYPES.get(kind) if isinstance(kind, str) else None
             if op_type is None:
                 raise SpecError(fix(f"ops[{i}] has unknown op {kind!r}.", f"use one of {', '.join(OP_TYPES)}."))
             names = {f.name: f for f in fields(op_type)}
@@ -331,18 +350,21 @@ class Spec:
             if unknown:
                 raise SpecError(fix(f"ops[{i}] ({kind}) has unknown fields {sorted(unknown)}.",
                                     f"{kind} takes {', '.join(names)}."))
-            kwargs: dict[str, Any] = {}
-            for name, value in raw.items():
-                if name == "op":
-                    continue
-                if name in ("vector", "value", "source"):
-                    value = TensorData.from_dict(value, what=f"ops[{i}].{name}")
-                elif name == "positions":
-                    value = Positions.from_dict(value)
-                elif name == "heads" and value is not None:
-                    value = tuple(value)
-                kwargs[name] = value
-            ops.append(op_type(**kwargs))
+            try:
+                kwargs: dict[str, Any] = {}
+                for name, value in raw.items():
+                    if name in ("vector", "value", "source"):
+                        value = TensorData.from_dict(value, what=f"ops[{i}].{name}")
+                    elif name == "positions":
+                        value = Positions.from_dict(value)
+                    if name != "op":
+                        kwargs[name] = value
+                ops.append(op_type(**kwargs))
+            except InterpEngineError:
+                raise
+            except (TypeError, ValueError, AttributeError, KeyError) as e:
+                raise SpecError(fix(f"ops[{i}] ({kind}) is malformed: {e}.",
+                                    "pass what Spec.to_dict() wrote, unchanged.")) from None
         return cls(tuple(ops))
 
     def fingerprint(self) -> str:

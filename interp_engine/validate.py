@@ -56,9 +56,10 @@ def _check_value(op, name: str, shape: tuple[int, ...], address: Address, feat: 
             return
     axes = " ".join(a for a in address.info.axes if a not in ("batch", "pos", "q_pos"))
     one = f"{feat} (one position: {axes})" if address.info.pos_axis == 1 else "no per-position form"
+    whole = "1" if n_prompts == 1 else f"{n_prompts} or 1"
     problems.append(SpecError(fix(
         f"{type(op).__name__} at {address}: {name} has shape {shape}, but {address.point} holds {feat} per position.",
-        f"pass a {name} of shape {one}, or the whole point: ({n_prompts} or 1, pos, ...) as a capture returns it.")))
+        f"pass a {name} of shape {one}, or the whole point ({whole}, pos, ...) as a capture returns it.")))
 
 
 def _check_positions(positions: Positions, address: Address, n_prompts: int, longest: int, generating: bool,

@@ -213,14 +213,13 @@ def _corrupt(change) -> dict:
     return raw
 
 
-@pytest.mark.xfail(strict=True, raises=(RuntimeError, TypeError, AttributeError),
-                   reason="Spec.from_dict lets torch/dataclass errors through for a malformed op "
-                          "(RuntimeError, TypeError, AttributeError) instead of a SpecError with a fix")
 @pytest.mark.parametrize("change", [
     pytest.param(lambda op: op["vector"].update(data=base64.b64encode(b"x" * 60).decode()), id="truncated-data"),
     pytest.param(lambda op: op["vector"].update(shape=[64]), id="shape-disagrees-with-data"),
     pytest.param(lambda op: op.pop("point"), id="missing-field"),
     pytest.param(lambda op: op.update(vector="abc"), id="tensor-not-a-dict"),
+    pytest.param(lambda op: op["vector"].update(data="not base64!"), id="bad-base64"),
+    pytest.param(lambda op: op.update(positions={"slice": "x"}), id="bad-slice"),
 ])
 def test_spec_from_dict_refuses_malformed_ops_with_a_fix(change):
     with pytest.raises(SpecError, match="Fix:"):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from interp_engine import (Address, BackendFallbackWarning, capture, load_model, select_backend, vllm_installed)
+from interp_engine import Address, BackendFallbackWarning, capture, load_model, select_backend, vllm_installed
 from interp_engine.addresses import POINTS
 from interp_engine.errors import SpecError
 from interp_engine.tiny import build_tiny_model
@@ -86,9 +86,6 @@ def test_dims_are_frozen(eager):
         eager("llama").dims.n_layers = 7
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError,
-                   reason="ModelHandle is @dataclass(frozen=True, slots=True): on Python <= 3.13 setting a "
-                          "non-field name raises TypeError('super(type, obj): ...'), not FrozenInstanceError")
 @pytest.mark.parametrize("name", ["n_layers", "d_model", "not_a_field"])
 def test_handle_properties_and_new_attributes_cannot_be_set(eager, name):
     with pytest.raises(AttributeError):
@@ -116,7 +113,8 @@ def test_dims_equal_the_hf_config(family, tiny_path):
 
 
 @pytest.mark.parametrize("family, overrides, expected", [
-    pytest.param("qwen3", {"head_dim": 64}, {"d_head": 64, "d_model": 128, "n_heads": 4}, id="head_dim-not-d_model/n_heads"),
+    pytest.param("qwen3", {"head_dim": 64}, {"d_head": 64, "d_model": 128, "n_heads": 4},
+                 id="head_dim-not-d_model/n_heads"),
     pytest.param("llama", {"num_key_value_heads": 1}, {"n_kv_heads": 1, "n_heads": 4}, id="multi-query"),
     pytest.param("gpt2", {"n_inner": None}, {"d_mlp": 512}, id="gpt2-default-mlp-width"),
     pytest.param("gemma2", {"num_hidden_layers": 2, "vocab_size": 600}, {"n_layers": 2, "d_vocab": 600},
@@ -224,8 +222,11 @@ def test_auto_falls_back_to_eager_and_warns_why(tiny_path):
 
 
 @NO_CUDA
-@pytest.mark.parametrize("vllm_available, why", [(vllm_installed(), "vLLM"), (False, "vLLM is not installed"),
-                                                 (True, "vLLM needs CUDA and the device is cpu")])
+@pytest.mark.parametrize("vllm_available, why", [
+    pytest.param(vllm_installed(), "vLLM", id="this-install"),
+    pytest.param(False, "vLLM is not installed", id="without-vllm"),
+    pytest.param(True, "vLLM needs CUDA and the device is cpu", id="vllm-without-cuda"),
+])
 def test_select_backend_answers_before_loading(tiny_path, vllm_available, why):
     selection = select_backend(str(tiny_path("llama")), requested_device=None, requested_dtype="auto",
                                force_backend=None, vllm_available=vllm_available)

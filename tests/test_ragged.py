@@ -25,7 +25,7 @@ def test_ragged_capture_and_steer_equal_solo_runs(family, eager):
             got, want = batch.unpadded(address)[i], solo.unpadded(address)[0]
             finite = torch.isfinite(want)
             assert torch.equal(finite, torch.isfinite(got)), address
-            assert (got[finite] - want[finite]).abs().max() < 1e-5, address
+            assert torch.allclose(got[finite], want[finite], rtol=1e-4, atol=1e-5), address
         assert (logits[i, :n] - steer(model, prompt, spec)[0]).abs().max() < 1e-5
         assert torch.all(logits[i, n:] == 0), "padding positions are zeros"
         assert torch.all(batch["resid_post.1"][i, n:] == 0)

@@ -15,6 +15,7 @@ from interp_engine.arch import Arch, Dims
 from interp_engine.backends.eager import attention
 from interp_engine.backends.eager.edits import Step
 from interp_engine.backends.eager.sites import Run, installed
+from interp_engine.errors import LoadError, fix
 from interp_engine.inputs import Prompts
 from interp_engine.validate import Plan
 
@@ -48,7 +49,13 @@ class EagerRuntime:
                                           "local_files_only": True, **self.hf_kwargs}
                 if self.num_gpus > 1:
                     kwargs.setdefault("device_map", "auto")
-                model = AutoModelForCausalLM.from_pretrained(str(self.source), **kwargs)
+                try:
+                    model = AutoModelForCausalLM.from_pretrained(str(self.source), **kwargs)
+                except OSError as e:
+                    raise LoadError(fix(f"the weights of {str(self.source)!r} cannot be loaded: {e}",
+                                        "check the folder holds the *.safetensors (or *.bin) files that "
+                                        "save_pretrained() wrote, or that the repo is fully in the HF cache.")
+                                    ) from None
                 if "device_map" not in kwargs:
                     model.to(self.device)
                 model.eval()
