@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from interp_engine.backends.eager.edits import Step
+from interp_engine.edits import Step
 from interp_engine.backends.eager.sites import Run
 from interp_engine.inputs import Prompts
 from interp_engine.validate import Plan
@@ -61,7 +61,7 @@ def decode(rt, prompts: Prompts, plan: Plan, *, max_new_tokens: int, temperature
             index = torch.tensor(list(rows), dtype=torch.long)
             cache = DynamicCache(config=model.config)
             run = Run(plan.ops, frozenset())  # prompt positions are not "generated": read nothing in prefill
-            step = Step(abs_pos, last=lengths - 1, lengths=lengths, prompt_index=index, kv_in_place=True)
+            step = Step.of_rows(abs_pos, last=lengths - 1, lengths=lengths, prompt_index=index, kv_in_place=True)
             logits = rt._forward(ids, step, run, attention_mask=mask.to(rt.device),
                                  position_ids=abs_pos.clamp_min(0).to(rt.device), past_key_values=cache, use_cache=True)
             run = Run(plan.ops, frozenset(plan.reads))
@@ -84,7 +84,7 @@ def decode(rt, prompts: Prompts, plan: Plan, *, max_new_tokens: int, temperature
                 feed = torch.where(fed, token, torch.full_like(token, rt.pad_id))
                 pos = torch.where(fed, current, torch.full_like(current, -1))
                 mask = torch.cat([mask, fed[:, None].long()], dim=1)
-                step = Step(pos[:, None], last=current, lengths=lengths, prompt_index=index, kv_in_place=True)
+                step = Step.of_rows(pos[:, None], last=current, lengths=lengths, prompt_index=index, kv_in_place=True)
                 logits = rt._forward(feed[:, None], step, run, attention_mask=mask.to(rt.device),
                                      position_ids=current[:, None].to(rt.device), past_key_values=cache,
                                      use_cache=True)

@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from interp_engine.addresses import Address
 from interp_engine.arch import Arch, Dims
 from interp_engine.backends.eager import attention
-from interp_engine.backends.eager.edits import Step
+from interp_engine.edits import Step
 from interp_engine.backends.eager.sites import Run, installed
 from interp_engine.errors import LoadError, fix
 from interp_engine.inputs import Prompts
@@ -169,7 +169,7 @@ class EagerRuntime:
 def _step(ids: Tensor, lengths: Tensor, rows: range) -> Step:
     cols = torch.arange(ids.shape[1])[None, :].expand(ids.shape[0], -1)
     abs_pos = torch.where(cols < lengths[:, None], cols, torch.full_like(cols, -1))
-    return Step(abs_pos=abs_pos, last=lengths - 1, lengths=lengths,
+    return Step.of_rows(abs_pos, last=lengths - 1, lengths=lengths,
                 prompt_index=torch.tensor(list(rows), dtype=torch.long))
 
 

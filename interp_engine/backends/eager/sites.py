@@ -13,7 +13,7 @@ from torch import Tensor
 from interp_engine.addresses import Address
 from interp_engine.arch import Arch
 from interp_engine.backends.eager.attention import SITE_KW, eager_pattern
-from interp_engine.backends.eager.edits import Step, apply
+from interp_engine.edits import Step, apply
 
 EMBED, FINAL = Address("embed"), Address("final")
 

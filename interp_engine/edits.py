@@ -1,4 +1,5 @@
-"""Applying ops to one activation tensor, restricted to the positions a `Step` selects.
+"""Applying ops to one activation tensor, restricted to the positions a `Step` selects. Shared by every
+backend: eager hooks see `batch pos ...`, vLLM workers view their flattened rows as one `1 rows ...` batch.
 
 Tensors arrive in the point's presented layout: `batch pos ...` or, for attention patterns,
 `batch n_heads q_pos k_pos`. Every edit is out of place, so autograd and torch.func see plain tensor ops.
@@ -16,17 +17,27 @@ from interp_engine.spec import Ablate, Add, Custom, Patch, Positions, Scale, Set
 
 @dataclass(frozen=True, slots=True)
 class Step:
-    """Where one forward pass's columns sit in each prompt."""
+    """Where one forward pass's columns sit in their prompts. Every field is [b, pos] (or broadcasts to it), so
+    one row may hold columns of several prompts, as a vLLM step does."""
 
-    abs_pos: Tensor  # [b, pos]: position of each column in its prompt's sequence, -1 for padding
-    last: Tensor  # [b]: the position `"last"` means (last prompt token; the newest token while generating)
-    lengths: Tensor  # [b]: prompt lengths; negative indices count back from here
-    prompt_index: Tensor  # [b]: row -> index of the prompt in the whole call (for per-prompt data)
+    abs_pos: Tensor  # position of each column in its prompt's sequence, -1 for padding
+    last: Tensor  # the position "last" means (last prompt token; the newest token while generating)
+    lengths: Tensor  # prompt lengths; negative indices count back from here
+    prompt_index: Tensor  # index of the column's prompt in the whole call (for per-prompt data)
     kv_in_place: bool = False  # generating: k/v edits are also written into the KV cache
+
+    @classmethod
+    def of_rows(cls, abs_pos: Tensor, *, last: Tensor, lengths: Tensor, prompt_index: Tensor,
+                kv_in_place: bool = False) -> "Step":
+        """From per-row [b] values, as the eager backend lays a batch out."""
+        return cls(abs_pos, last[:, None], lengths[:, None], prompt_index[:, None], kv_in_place)
 
     @property
     def valid(self) -> Tensor:
         return self.abs_pos >= 0
+
+    def column(self, field: Tensor) -> Tensor:
+        return field.expand_as(self.abs_pos)
 
 
 def select(positions: Positions, step: Step) -> Tensor | None:
@@ -35,31 +46,27 @@ def select(positions: Positions, step: Step) -> Tensor | None:
     kind = positions.kind
     if kind == "all":
         return None
+    n = step.column(step.lengths).to(ap.device)
     if kind == "last":
-        return ap == step.last[:, None]
+        return ap == step.column(step.last).to(ap.device)
     if kind == "indices":
         idx = torch.tensor(positions.indices, dtype=torch.long, device=ap.device)
-        wanted = torch.where(idx < 0, step.lengths[:, None].to(ap.device) + idx, idx)
-        return (ap[:, :, None] == wanted[:, None, :]).any(-1) & (ap >= 0)
+        wanted = torch.where(idx < 0, n[..., None] + idx, idx)
+        return (ap[..., None] == wanted).any(-1) & (ap >= 0)
     if kind == "slice":
-        rows = []
-        for b in range(ap.shape[0]):
-            n = int(step.lengths[b])
-            start = positions.start or 0
-            start = start + n if start < 0 else start
-            stop = positions.stop
-            stop = (stop + n if stop < 0 else stop) if stop is not None else 2**62
-            every = positions.step or 1
-            a = ap[b]
-            rows.append((a >= max(start, 0)) & (a < stop) & ((a - start) % every == 0))
-        return torch.stack(rows)
-    rows = []
-    for b in range(ap.shape[0]):
-        sub = positions.per_prompt[int(step.prompt_index[b])]
-        one = Step(ap[b : b + 1], step.last[b : b + 1], step.lengths[b : b + 1], step.prompt_index[b : b + 1])
-        picked = select(sub, one)
-        rows.append(torch.ones_like(ap[b], dtype=torch.bool) if picked is None else picked[0])
-    return torch.stack(rows)
+        start = torch.full_like(n, positions.start or 0)
+        start = torch.where(start < 0, start + n, start).clamp_min(0)
+        stop = torch.full_like(n, 2**62) if positions.stop is None else torch.full_like(n, positions.stop)
+        stop = torch.where(stop < 0, stop + n, stop)
+        every = positions.step or 1
+        return (ap >= start) & (ap < stop) & ((ap - start) % every == 0)
+    prompt = step.column(step.prompt_index).to(ap.device)
+    picked = torch.zeros_like(ap, dtype=torch.bool)
+    for index in prompt[ap >= 0].unique().tolist():
+        sub = select(positions.per_prompt[index], step)
+        mine = prompt == index
+        picked |= mine & (ap >= 0) if sub is None else mine & sub
+    return picked
 
 
 def _expand_mask(mask: Tensor, x: Tensor, info: PointInfo) -> Tensor:
@@ -80,13 +87,15 @@ def _value(t: Tensor, x: Tensor, info: PointInfo, step: Step) -> tuple[Tensor, T
             shape[i] = s
         return t.reshape(shape), None
     ap = step.abs_pos.to(x.device)
-    rows = step.prompt_index.to(x.device) if t.shape[0] > 1 else torch.zeros_like(step.prompt_index).to(x.device)
+    rows = step.column(step.prompt_index).to(x.device)
+    if t.shape[0] == 1:
+        rows = torch.zeros_like(rows)
     width = t.shape[pa]
     in_range = (ap >= 0) & (ap < width)
     cols = ap.clamp(0, width - 1)
     if pa == 1:
-        return t[rows[:, None], cols], in_range
-    g = t[rows[:, None], :, cols]  # [b, q, h, k]: advanced indices first
+        return t[rows, cols], in_range
+    g = t[rows, :, cols]  # [b, q, h, k]: advanced indices first
     return g.permute(0, 2, 1, 3)[..., : x.shape[-1]], in_range
 
 
