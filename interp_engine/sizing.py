@@ -2,32 +2,34 @@
 
 Nothing is downloaded and no weights are read. Per GPU it adds:
 
-- weights: the parameter count from the per-family layout table below (equal to HF's own count), at the model
-  dtype, except the weight matrices of the decoder blocks' linear layers (attention and MLP projections, GPT-2's
-  Conv1D included), which `quantization` narrows:
+- weights: the parameter count from the per-family `LAYOUTS` table (equal to HF's own count) at the model dtype,
+  except the weight matrices of the decoder blocks' linear layers (attention and MLP projections, GPT-2's Conv1D
+  included), which `quantization` narrows (`SCHEMES`):
     fp8       1 byte/param + one fp32 scale per matrix (vLLM's online per-tensor fp8)
     bnb-4bit  0.5 byte/param + one fp32 absmax per block of 64 params (bitsandbytes' default, no double quant)
     bnb-8bit  1 byte/param + one fp32 scale per output row
   Embeddings, learned positions, lm_head, biases and norms stay at the model dtype under every scheme.
-- KV cache: `kv_bytes_per_token` = 2 * n_layers * n_kv_heads * d_head * bytes(kv dtype), times
-  max_model_len * concurrency. kv_cache_dtype "fp8" is 1 byte; "auto" (or None) is the model dtype. Sliding-window
-  layers (Gemma-2) are priced at full length, an upper bound.
-- captures (vllm-static only): per declared point, TOKENS_PER_STEP(gpu) rows x the point's width per token x the
-  model dtype; attn_scores/attn_probs are n_heads x max_model_len wide per token.
-- overhead: a fixed OVERHEAD_BYTES per GPU (see there).
+- KV cache: `kv_bytes_per_token` = 2 * n_layers * n_kv_heads * d_head * bytes(kv dtype), x max_model_len x
+  concurrency; kv_cache_dtype "fp8" is 1 byte, "auto" (or None) the model dtype. Sliding-window layers (Gemma-2)
+  are priced at full length, an upper bound.
+- captures (vllm-static only): per declared point, `tokens_per_step(gpu)` rows x its width per token x the model
+  dtype; attn_scores/attn_probs are n_heads x max_model_len wide per token.
+- overhead: a fixed `OVERHEAD_BYTES` per GPU.
 
-Across num_gpus (tensor parallel on vLLM, device_map="auto" on eager) weights and KV divide by num_gpus, except
-the norms, which every rank holds whole; vLLM also keeps at least one KV head per rank (it replicates KV heads
-when num_gpus > n_kv_heads). Capture buffers hold gathered values, so every GPU holds them whole. The estimate fits
-when the per-GPU sum is at most gpu_memory_utilization x the card's memory (vLLM's budget; on eager the same
-fraction is the headroom left to the allocator).
-
-dtype="auto" is the checkpoint's dtype; on the vLLM backends a float32 (or unstated) checkpoint is served in 16 bits,
-as vLLM's "auto" does, while eager keeps float32.
+Over num_gpus (tensor parallel on vLLM, device_map="auto" on eager) weights and KV divide by num_gpus, except the
+norms, which every rank holds whole, and vLLM keeps at least one KV head per rank (it replicates KV heads when
+num_gpus > n_kv_heads). Capture buffers hold gathered values, so every GPU holds them whole. It fits when the per-GPU
+sum is at most gpu_memory_utilization x the card's memory (vLLM's budget; on eager, headroom for the allocator).
+dtype="auto" is the checkpoint's dtype, but the vLLM backends serve a float32 (or unstated) one in 16 bits, as
+vLLM's "auto" does; eager keeps float32, as load_model does.
 """
 
 import difflib
+import inspect
 import json
+import math
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,14 +37,94 @@ from typing import Any
 import torch
 
 from interp_engine.addresses import Address
-from interp_engine.arch import Dims, arch_for, read_dims, supported_model_types
-from interp_engine.errors import BackendError, LoadError, SpecError, fix
-from interp_engine.loading import _DTYPES, _check_backend, _checkpoint_dtype
+from interp_engine.arch import Dims, arch_for, read_dims
+from interp_engine.errors import BackendError, InputTypeError, LoadError, SpecError, fix
+from interp_engine.loading import _DTYPES, _check_backend, _checkpoint_dtype, load_model
 from interp_engine.quantization import VLLM_BACKENDS, check_scheme
-from interp_engine.sizing_tables import (GPUS_MIB, KV_CACHE_DTYPES, LAYOUTS, OVERHEAD_BYTES, SCHEME_PRICES,
-                                         tokens_per_step)
 
 GiB = 2**30
+# CUDA context and cuBLAS/NCCL workspaces (0.5-1 GiB, outside PyTorch but inside vLLM's budget) plus the activation
+# peak of one step that vLLM reserves after its profile run (about 1 GiB for a 16k-token step of an 8B-70B model).
+OVERHEAD_BYTES = 2 * GiB
+# Total memory in MiB as nvidia-smi and torch.cuda.mem_get_info report it: what gpu_memory_utilization multiplies.
+GPUS_MIB: dict[str, int] = {
+    "H200-141GB": 143771, "H100-80GB": 81559, "H100-94GB": 95830, "A100-80GB": 81920, "A100-40GB": 40960,
+    "L40S-48GB": 46068, "L40-48GB": 46068, "A40-48GB": 46068, "RTXA6000-48GB": 49140, "RTX6000Ada-48GB": 49140,
+    "V100-32GB": 32768, "V100-16GB": 16384, "RTX4090-24GB": 24564, "RTX3090-24GB": 24576, "L4-24GB": 23034,
+    "A10-24GB": 23028, "T4-16GB": 15360,
+}
+KV_CACHE_DTYPES: dict[str, int | None] = {"auto": None, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+
+
+def tokens_per_step(gpu: str) -> int:
+    """vLLM's default max_num_batched_tokens for the LLM class: 16384 on cards of 70 GiB or more but A100s, else 8192.
+
+    It is the most rows one step can carry, so it sizes vllm-static's capture buffers."""
+    return 16384 if GPUS_MIB[gpu] * 2**20 >= 70 * GiB and not gpu.startswith("A100") else 8192
+
+
+@dataclass(frozen=True, slots=True)
+class Scheme:
+    """Bytes of a block linear layer's weight matrix under one quantization scheme; the scales are fp32."""
+
+    per_param: float
+    scale_per_matrix: bool = False
+    scale_per_row: bool = False
+    params_per_scale: int = 0
+
+
+SCHEMES: dict[str, Scheme] = {"fp8": Scheme(1, scale_per_matrix=True), "bnb-4bit": Scheme(0.5, params_per_scale=64),
+                              "bnb-8bit": Scheme(1, scale_per_row=True)}
+
+
+@dataclass(frozen=True, slots=True)
+class Linear:
+    d_in: str
+    d_out: str
+    bias: bool | str = False  # a bool, or the config flag that decides it
+
+
+@dataclass(frozen=True, slots=True)
+class Norm:
+    width: str = "d_model"
+    bias: bool = False  # LayerNorm has one, RMSNorm does not
+    when: str | None = None  # the config flag the norm exists under
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """One decoder layer's parameters, then what sits outside the layers."""
+
+    linears: tuple[Linear, ...]
+    norms: tuple[Norm, ...]
+    final_norm: Norm
+    lm_head_bias: bool = False
+    learned_positions: bool = False
+
+
+def _attention(qkv_bias: bool | str, o_bias: bool | str) -> tuple[Linear, ...]:
+    return (Linear("d_model", "q", qkv_bias), Linear("d_model", "kv", qkv_bias), Linear("d_model", "kv", qkv_bias),
+            Linear("q", "d_model", o_bias))
+
+
+def _mlp(bias: bool | str, *, gated: bool) -> tuple[Linear, ...]:
+    return (Linear("d_model", "d_mlp", bias),) * (1 + gated) + (Linear("d_mlp", "d_model", bias),)
+
+
+_RMS, _LN, _FUSED = Norm(), Norm(bias=True), (Linear("d_model", "qkv", True), Linear("d_model", "d_model", True))
+LAYOUTS: dict[str, Layout] = {
+    "llama": Layout(_attention("attention_bias", "attention_bias") + _mlp("mlp_bias", gated=True), (_RMS,) * 2, _RMS),
+    "mistral": Layout(_attention(False, False) + _mlp(False, gated=True), (_RMS,) * 2, _RMS),
+    "qwen2": Layout(_attention(True, False) + _mlp(False, gated=True), (_RMS,) * 2, _RMS),
+    "qwen3": Layout(_attention("attention_bias", "attention_bias") + _mlp(False, gated=True),
+                    (_RMS, _RMS, Norm("d_head"), Norm("d_head")), _RMS),
+    "gemma2": Layout(_attention("attention_bias", "attention_bias") + _mlp(False, gated=True), (_RMS,) * 4, _RMS),
+    "gpt2": Layout(_FUSED + _mlp(True, gated=False), (_LN,) * 2, _LN, learned_positions=True),
+    "gpt_neox": Layout((Linear("d_model", "qkv", "attention_bias"), Linear("d_model", "d_model", "attention_bias"))
+                       + _mlp(True, gated=False), (_LN,) * 2, _LN),
+    "phi": Layout(_attention(True, True) + _mlp(True, gated=False), (_LN,) + (Norm("head", True, "qk_layernorm"),) * 2,
+                  _LN, lm_head_bias=True),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,3 +138,307 @@ class ParamCount:
     @property
     def total(self) -> int:
         return self.linear + self.norms + self.rest
+
+    def bytes(self, size: int, scheme: str | None) -> int:
+        """All weights, `size` bytes each, but the linear matrices priced by `scheme`."""
+        if scheme is None:
+            return self.total * size
+        s = SCHEMES[scheme]
+        scales = (self.linear_matrices * s.scale_per_matrix + self.linear_rows * s.scale_per_row
+                  + (-(-self.linear // s.params_per_scale) if s.params_per_scale else 0))
+        return math.ceil(self.linear * s.per_param) + 4 * scales + (self.norms + self.rest) * size
+
+
+def to_config(config: Any):
+    """A transformers config from a config.json dict, defaults filled in as transformers fills them."""
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import PretrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if not isinstance(config, PretrainedConfig | Mapping):
+        raise InputTypeError(fix(f"expected a config.json dict or a transformers config, got {type(config).__name__}.",
+                                 "pass json.load(open('config.json')) or AutoConfig.from_pretrained(folder)."))
+    model_type = config.model_type if isinstance(config, PretrainedConfig) else config.get("model_type")
+    if model_type not in LAYOUTS:
+        raise LoadError(fix(f"config.json describes a {model_type!r} model, which the sizer does not cover.",
+                            f"use a model of a covered family: {', '.join(sorted(LAYOUTS))}."))
+    if isinstance(config, PretrainedConfig):
+        return config
+    try:
+        return CONFIG_MAPPING[model_type].from_dict(dict(config))
+    except (TypeError, ValueError, StrictDataclassError) as e:
+        raise LoadError(fix(f"config.json is not a valid {model_type} config: {e}",
+                            "correct the named field; the sizer reads config.json as transformers does.")) from None
+
+
+def _flag(config, value: bool | str) -> bool:
+    return value if isinstance(value, bool) else bool(getattr(config, value, False))
+
+
+def count_params(config: Any) -> ParamCount:
+    """Parameters of `AutoModelForCausalLM.from_config(config)` from the config alone; tied weights count once."""
+    config = to_config(config)
+    layout, d = LAYOUTS[config.model_type], read_dims(config, arch_for(config))
+    width = {"d_model": d.d_model, "q": d.n_heads * d.d_head, "kv": d.n_kv_heads * d.d_head, "qkv": 3 * d.d_model,
+             "d_mlp": d.d_mlp, "d_head": d.d_head, "head": d.d_model // d.n_heads}
+    linears = [(width[lin.d_in], width[lin.d_out], _flag(config, lin.bias)) for lin in layout.linears]
+    norms = sum(width[n.width] * (1 + n.bias) for n in layout.norms if n.when is None or _flag(config, n.when))
+    embeddings = d.d_vocab * d.d_model * (2 - bool(getattr(config, "tie_word_embeddings", False)))
+    return ParamCount(
+        linear=d.n_layers * sum(i * o for i, o, _ in linears), linear_matrices=d.n_layers * len(linears),
+        linear_rows=d.n_layers * sum(o for _, o, _ in linears),
+        norms=d.n_layers * norms + width[layout.final_norm.width] * (1 + layout.final_norm.bias),
+        rest=embeddings + d.d_vocab * layout.lm_head_bias + d.max_len * d.d_model * layout.learned_positions
+        + d.n_layers * sum(o for _, o, bias in linears if bias),
+    )
+
+
+def _model_dtype(config, dtype: Any, backend: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            near = difflib.get_close_matches(str(dtype), list(_DTYPES), n=1, cutoff=0.0)
+            raise SpecError(fix(f"dtype={dtype!r} is not a dtype.", f"did you mean {near[0]!r}? Or dtype=\"auto\"."))
+        return _DTYPES[dtype]
+    checkpoint = _checkpoint_dtype(config)
+    if backend in VLLM_BACKENDS and checkpoint in (None, torch.float32):
+        return torch.bfloat16
+    return checkpoint or torch.float32
+
+
+def _kv_size(kv_cache_dtype: str | None) -> int | None:
+    name = "auto" if kv_cache_dtype is None else kv_cache_dtype
+    if name not in KV_CACHE_DTYPES:
+        near = difflib.get_close_matches(str(name), list(KV_CACHE_DTYPES), n=1, cutoff=0.0)
+        raise SpecError(fix(f"kv_cache_dtype={kv_cache_dtype!r} is not a KV cache dtype.",
+                            f"did you mean {near[0]!r}? KV cache dtypes: {', '.join(KV_CACHE_DTYPES)}."))
+    return KV_CACHE_DTYPES[name]
+
+
+def kv_bytes_per_token(config: Any, kv_cache_dtype: str | None = None, *, dtype: Any = "auto",
+                       backend: str = "vllm") -> int:
+    """KV cache bytes of one token over all layers: 2 * n_layers * n_kv_heads * d_head * bytes(kv dtype)."""
+    config = to_config(config)
+    d = read_dims(config, arch_for(config))
+    size = _kv_size(kv_cache_dtype) or _model_dtype(config, dtype, backend).itemsize
+    return 2 * d.n_layers * d.n_kv_heads * d.d_head * size
+
+
+def read_config(repo_or_path: Any) -> tuple[str, dict]:
+    """(what load_model is given, config.json parsed) for a folder, a config.json path, or a repo id in the HF cache."""
+    from huggingface_hub import try_to_load_from_cache
+
+    if not isinstance(repo_or_path, str | os.PathLike) or not str(repo_or_path):
+        raise InputTypeError(fix(f"expected a repo id or a path, got {repo_or_path!r}.",
+                                 'e.g. estimate("Qwen/Qwen3-8B") or estimate("./my-checkpoint").'))
+    source, path = str(repo_or_path), Path(repo_or_path).expanduser()
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise LoadError(fix(f"{source} has no config.json, so it is not a HF checkpoint folder.",
+                            "point at the folder save_pretrained() wrote, or at a config.json file."))
+    if path.is_dir():
+        file = path / "config.json"
+    elif path.is_file():
+        source, file = str(path.parent), path
+    else:
+        try:
+            found = try_to_load_from_cache(source, "config.json")
+        except ValueError:  # not a valid repo id either
+            found = None
+        if not isinstance(found, str):
+            raise LoadError(fix(
+                f"{source!r} is neither a local folder, a config.json path, nor a repo in the local HF cache; "
+                "the sizer never downloads, so no download was attempted.",
+                "pass a local folder that holds config.json (or that file's path), or fetch it where a network "
+                f"exists: huggingface-cli download {source} config.json"))
+        file = Path(found)
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise LoadError(fix(f"{file} cannot be read as JSON ({e.__class__.__name__}: {e}).",
+                            "make config.json readable and valid JSON; the sizer reads no other file.")) from None
+    return source, config
+
+
+@dataclass(frozen=True, slots=True)
+class SizeEstimate:
+    """What one load_model(...) call needs per GPU; `report()` is the text the CLI prints. Sizes are in bytes."""
+
+    repo_id: str
+    model_type: str
+    backend: str
+    dtype: str
+    quantization: str | None
+    kv_cache_dtype: str | None
+    num_gpus: int
+    max_model_len: int
+    concurrency: int
+    static_points: tuple[str, ...]
+    gpu: str
+    gpu_memory_utilization: float
+    params: int
+    weight_bytes: int
+    weight_bytes_per_gpu: int
+    kv_bytes_per_token: int
+    kv_bytes: int  # at max_model_len x concurrency, all GPUs together
+    kv_bytes_per_gpu: int
+    capture_bytes: int  # per GPU
+    overhead_bytes: int  # per GPU
+    per_gpu_bytes: int
+    gpu_capacity_bytes: int
+    budget_bytes: int  # gpu_memory_utilization x gpu_capacity_bytes
+    fits: bool
+    max_len_that_fits: int  # the longest max_model_len whose KV cache fits beside the rest, at this concurrency
+    snippet: str
+    notes: tuple[str, ...] = ()
+
+    def report(self) -> str:
+        def gib(n: int) -> str:
+            return f"{n / GiB:.2f} GiB"
+
+        spare = self.budget_bytes - self.per_gpu_bytes
+        room = (f"the longest max_model_len that fits is {self.max_len_that_fits:,}" if self.max_len_that_fits
+                else "even with no KV cache it does not fit: quantize, add GPUs, or pick a larger card")
+        points = f"{len(self.static_points)} points x {tokens_per_step(self.gpu):,} tokens/step" \
+            if self.static_points else "no static points"
+        return "\n".join([
+            f"{self.repo_id}: {self.model_type}, {self.params / 1e9:.2f} B parameters, on {self.num_gpus} x {self.gpu}",
+            f"  backend={self.backend} dtype={self.dtype} quantization={self.quantization} "
+            f"kv_cache_dtype={self.kv_cache_dtype or 'auto'}",
+            f"  weights   {gib(self.weight_bytes)} in all, {gib(self.weight_bytes_per_gpu)} per GPU",
+            f"  KV cache  {gib(self.kv_bytes)} in all, {gib(self.kv_bytes_per_gpu)} per GPU "
+            f"({self.kv_bytes_per_token:,} bytes/token x {self.max_model_len:,} tokens x {self.concurrency} at once)",
+            f"  captures  {gib(self.capture_bytes)} per GPU ({points})",
+            f"  overhead  {gib(self.overhead_bytes)} per GPU (CUDA context, workspaces, one step's activations)",
+            f"  per GPU   {gib(self.per_gpu_bytes)} of {gib(self.budget_bytes)} usable "
+            f"({self.gpu_memory_utilization} x {gib(self.gpu_capacity_bytes)})",
+            f"  fits: yes, {gib(spare)} to spare" if self.fits else f"  fits: NO, {gib(-spare)} over; {room}",
+            *(f"  note: {note}" for note in self.notes),
+            "", "load_model call priced above:", "", self.snippet,
+        ])
+
+
+def estimate(repo_or_path: Any, *, backend: str = "vllm", quantization: str | None = None,
+             kv_cache_dtype: str | None = None, num_gpus: int = 1, max_model_len: int | None = None,
+             concurrency: int = 1, static_points: Any = None, gpu: str = "H100-80GB",
+             gpu_memory_utilization: float = 0.9, dtype: Any = "auto") -> SizeEstimate:
+    """Price load_model(repo_or_path, ...) on num_gpus x gpu from config.json alone (see the module docstring)."""
+    source, config = read_config(repo_or_path)
+    return estimate_from_config(config, repo_id=source, backend=backend, quantization=quantization,
+                                kv_cache_dtype=kv_cache_dtype, num_gpus=num_gpus, max_model_len=max_model_len,
+                                concurrency=concurrency, static_points=static_points, gpu=gpu,
+                                gpu_memory_utilization=gpu_memory_utilization, dtype=dtype)
+
+
+def estimate_from_config(config: Any, *, repo_id: str | None = None, backend: str = "vllm",
+                         quantization: str | None = None, kv_cache_dtype: str | None = None, num_gpus: int = 1,
+                         max_model_len: int | None = None, concurrency: int = 1, static_points: Any = None,
+                         gpu: str = "H100-80GB", gpu_memory_utilization: float = 0.9,
+                         dtype: Any = "auto") -> SizeEstimate:
+    """`estimate` for a config.json dict or a transformers config; `repo_id` is what the snippet loads."""
+    config = to_config(config)
+    repo_id = str(repo_id or getattr(config, "_name_or_path", "") or "REPO_OR_PATH")
+    d = read_dims(config, arch_for(config, name=repo_id))
+    _check_knobs(backend, quantization, kv_cache_dtype, num_gpus, concurrency, gpu_memory_utilization, d)
+    gpu, model_dtype = _gpu_name(gpu), _model_dtype(config, dtype, backend)
+    length = d.max_len if max_model_len is None else _count("max_model_len", max_model_len)
+    if length > d.max_len:
+        raise SpecError(fix(f"max_model_len={length} is above this model's limit of {d.max_len} tokens "
+                            "(max_position_embeddings in config.json).", f"pass max_model_len={d.max_len} or less."))
+    points, vllm = _static_points(static_points, backend, d.n_layers), backend in VLLM_BACKENDS
+    count, size = count_params(config), model_dtype.itemsize
+    weights, replicated = count.bytes(size, quantization), count.norms * size
+    weights_per_gpu = replicated + -(-(weights - replicated) // num_gpus)
+    kv_token = kv_bytes_per_token(config, kv_cache_dtype, dtype=dtype, backend=backend)
+    kv_token_per_gpu = (kv_token * max(d.n_kv_heads // num_gpus, 1) // d.n_kv_heads if vllm
+                        else -(-kv_token // num_gpus))
+    axis = {"d_model": d.d_model, "n_heads": d.n_heads, "n_kv_heads": d.n_kv_heads, "d_head": d.d_head,
+            "d_mlp": d.d_mlp, "d_vocab": d.d_vocab, "k_pos": length}
+    captures = size * tokens_per_step(gpu) * sum(math.prod(axis[a] for a in p.info.axes if a in axis) for p in points)
+    capacity = GPUS_MIB[gpu] * 2**20
+    budget, fixed = int(capacity * gpu_memory_utilization), weights_per_gpu + captures + OVERHEAD_BYTES
+    per_gpu = fixed + kv_token_per_gpu * length * concurrency
+    notes = (["max_model_len and gpu_memory_utilization price the run; eager's load_model takes neither"]
+             * (backend == "eager")
+             + ["concurrency prices simultaneous sequences; it is not a load_model argument"] * (concurrency > 1)
+             + ["no static_points declared, so nothing is captured"] * (backend == "vllm-static" and not points))
+    priced = {"dtype": None if dtype == "auto" else str(dtype).removeprefix("torch."), "quantization": quantization,
+              "kv_cache_dtype": None if kv_cache_dtype == "auto" else kv_cache_dtype,
+              "num_gpus": None if num_gpus == 1 else num_gpus,
+              "static_points": (static_points if static_points in (None, "auto")
+                                else [str(Address.parse(p)) for p in static_points]),
+              "gpu_memory_utilization": gpu_memory_utilization if vllm and gpu_memory_utilization != 0.9 else None,
+              "max_model_len": length if vllm and length != d.max_len else None}
+    return SizeEstimate(
+        repo_id=repo_id, model_type=config.model_type, backend=backend,
+        dtype=str(model_dtype).removeprefix("torch."), quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+        num_gpus=num_gpus, max_model_len=length, concurrency=concurrency, static_points=tuple(map(str, points)),
+        gpu=gpu, gpu_memory_utilization=gpu_memory_utilization, params=count.total, weight_bytes=weights,
+        weight_bytes_per_gpu=weights_per_gpu, kv_bytes_per_token=kv_token, kv_bytes=kv_token * length * concurrency,
+        kv_bytes_per_gpu=kv_token_per_gpu * length * concurrency, capture_bytes=captures,
+        overhead_bytes=OVERHEAD_BYTES, per_gpu_bytes=per_gpu, gpu_capacity_bytes=capacity, budget_bytes=budget,
+        fits=per_gpu <= budget,
+        max_len_that_fits=min(max(budget - fixed, 0) // (kv_token_per_gpu * concurrency), d.max_len),
+        snippet=snippet(repo_id, backend=backend, **priced), notes=tuple(notes))
+
+
+def snippet(repo_id: str, *, backend: str, **priced: Any) -> str:
+    """The load_model call, keywords in load_model's order; those at their default (None) are left out."""
+    order = [name for name in inspect.signature(load_model).parameters if priced.get(name) is not None]
+    args = [_literal(repo_id), f"backend={_literal(backend)}", *(f"{k}={_literal(priced[k])}" for k in order)]
+    return f"from interp_engine import load_model\n\nmodel = load_model({', '.join(args)})\n"
+
+
+def _literal(value: Any) -> str:
+    if isinstance(value, list):
+        return "[" + ", ".join(map(_literal, value)) + "]"
+    return json.dumps(value) if isinstance(value, str) else repr(value)
+
+
+def _check_knobs(backend, quantization, kv_cache_dtype, num_gpus, concurrency, utilization, d: Dims) -> None:
+    if _check_backend(backend) == "auto":
+        raise BackendError(fix('backend="auto" picks vLLM or eager only at load time, so it cannot be priced.',
+                               'name the backend you will load with: "vllm", "vllm-static", "vllm-generate", "eager".'))
+    check_scheme(quantization, backend)
+    _kv_size(kv_cache_dtype)
+    if backend == "eager" and kv_cache_dtype not in (None, "auto"):
+        raise BackendError(fix("kv_cache_dtype= is a vLLM setting; the eager backend has no such knob.",
+                               'drop kv_cache_dtype= for eager, or use a vLLM backend (backend="vllm").'))
+    _count("num_gpus", num_gpus), _count("concurrency", concurrency)
+    if isinstance(utilization, bool) or not isinstance(utilization, int | float) or not 0 < utilization <= 1:
+        raise SpecError(fix(f"gpu_memory_utilization={utilization!r} is not a fraction in (0, 1].",
+                            "pass the share of each GPU's memory to use, e.g. 0.9 (the default)."))
+    ok = [n for n in range(1, d.n_heads + 1) if d.n_heads % n == 0 and (d.n_kv_heads % n == 0 or n % d.n_kv_heads == 0)]
+    if backend in VLLM_BACKENDS and num_gpus not in ok:
+        raise SpecError(fix(f"num_gpus={num_gpus} cannot split {d.n_heads} attention heads and {d.n_kv_heads} KV "
+                            "heads evenly, as vLLM's tensor parallelism needs.", f"use num_gpus in {ok}."))
+
+
+def _count(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SpecError(fix(f"{name}={value!r}: it must be a whole number, at least 1.", f"pass {name}=1 or more."))
+    return value
+
+
+def _gpu_name(gpu: Any) -> str:
+    by_lower = {name.lower(): name for name in GPUS_MIB}
+    if str(gpu).lower() in by_lower:
+        return by_lower[str(gpu).lower()]
+    near = [name for name in GPUS_MIB if name.lower().startswith(str(gpu).lower())] or \
+        [by_lower[difflib.get_close_matches(str(gpu).lower(), list(by_lower), n=1, cutoff=0.0)[0]]]
+    raise SpecError(fix(f"gpu={gpu!r} is not a GPU the sizer knows.",
+                        f"did you mean {' or '.join(map(repr, near))}? Known GPUs: {', '.join(GPUS_MIB)}."))
+
+
+def _static_points(points: Any, backend: str, n_layers: int) -> tuple[Address, ...]:
+    if points is None:
+        return ()
+    if backend != "vllm-static":
+        raise BackendError(fix(f"static_points= declares the taps of vllm-static; backend={backend!r} has none.",
+                               'use backend="vllm-static", or drop static_points=.'))
+    if points == "auto":
+        return tuple(Address("resid_post", layer) for layer in range(n_layers))
+    if isinstance(points, str | Address) or not hasattr(points, "__iter__"):
+        raise SpecError(fix(f"static_points={points!r} is neither a list of points nor \"auto\".",
+                            'write static_points=["resid_post.10"] or static_points="auto".'))
+    return tuple(Address.parse(p).resolve(n_layers) for p in points)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from interp_engine.addresses import Address
 from interp_engine.arch import Dims
 from interp_engine.errors import BackendError, InterpEngineError, PointError, SpecError, fix
-from interp_engine.spec import Add, Custom, Patch, Positions, Set, Spec
+from interp_engine.spec import Ablate, Add, Custom, Patch, Positions, Set, Spec
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +31,12 @@ def _resolve(address: Address, model, problems: list) -> Address | None:
         problems.append(e)
         return None
     info = resolved.info
-    if info.needs_eager_attention and model.backend == "eager" and model.attn_implementation != "eager":
+    if info.needs_eager_attention and model.backend != "eager":
+        problems.append(BackendError(fix(
+            f"{resolved} is not served by backend={model.backend!r} in this build.",
+            f'load with backend="eager", attn_implementation="eager" to read attention patterns.')))
+        return None
+    if info.needs_eager_attention and model.attn_implementation != "eager":
         problems.append(BackendError(fix(
             f"{resolved} needs attention weights, which {model.attn_implementation!r} attention never forms.",
             f'load with load_model({model.name!r}, backend="eager", attn_implementation="eager").')))
@@ -90,6 +95,15 @@ def plan(model, spec: Spec, reads: Iterable[Address], *, n_prompts: int, longest
         if generating and address.info.needs_eager_attention:
             problems.append(SpecError(fix(f"{address} cannot be edited while generating: the pattern grows every step.",
                                 "edit q/k/v instead, or steer() the full sequence.")))
+        if address.info.eager_only_write and model.backend != "eager":
+            problems.append(BackendError(fix(f"{address} can be written only on the eager backend.",
+                                             'use backend="eager" to edit it.')))
+        if isinstance(op, Ablate) and op.how == "mean" and model.backend != "eager":
+            problems.append(BackendError(fix(
+                f"Ablate(how=\"mean\") at {address} averages over the call's batch, which vLLM's continuous "
+                "batching splits across steps, so the mean would depend on scheduling.",
+                f'compute the mean once and set it: m = capture(model, reference_prompts, ["{address}"])'
+                f'["{address}"].mean((0, 1)); S.Set("{address}", m) (or use backend="eager").')))
         if isinstance(op, Custom) and model.backend != "eager":
             problems.append(BackendError(fix(f"Custom at {address} holds a Python function, which never crosses into a vLLM "
                                 "worker.", 'use backend="eager" for Custom ops, or express it with Add/Set/Scale/Ablate.')))

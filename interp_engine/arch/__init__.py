@@ -10,6 +10,19 @@ from interp_engine.errors import LoadError, fix
 
 
 @dataclass(frozen=True, slots=True)
+class VllmLayout:
+    """Where the points live in vLLM's implementation of a family (paths relative to vLLM's model)."""
+
+    layers: str  # decoder layers: forward(positions, hidden, residual) -> (hidden, residual)
+    final_norm: str  # norm(hidden, residual) -> (normed, resid_post of the last layer)
+    attention: str  # the Attention module, relative to a layer: forward(q, k, v) after rotary
+    o_proj: str  # relative to a layer: its input is z
+    attn_out: str  # relative to a layer: its output is attn_out
+    mlp_out: str  # relative to a layer: its output is mlp_out
+    mlp_down: str  # relative to a layer: its input is mlp_act
+
+
+@dataclass(frozen=True, slots=True)
 class Arch:
     family: str
     model_types: tuple[str, ...]
@@ -22,6 +35,7 @@ class Arch:
     mlp_down: str  # module whose input is mlp_act
     parallel: bool = False  # attention and MLP both read resid_pre (GPT-NeoX, Phi)
     d_mlp_keys: tuple[str, ...] = ("intermediate_size",)
+    vllm: VllmLayout | None = None  # None: the vLLM backends do not serve this family yet
 
 
 @dataclass(frozen=True, slots=True)

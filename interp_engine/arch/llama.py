@@ -1,6 +1,6 @@
 """Llama and the families that share its layout: Mistral, Qwen2, Qwen3 (q/k norms live inside attention)."""
 
-from interp_engine.arch import Arch
+from interp_engine.arch import Arch, VllmLayout
 
 ARCHES = (
     Arch(
@@ -13,5 +13,14 @@ ARCHES = (
         attn_out="self_attn",
         mlp_out="mlp",
         mlp_down="mlp.down_proj",
+        vllm=VllmLayout(
+            layers="model.layers",
+            final_norm="model.norm",
+            attention="self_attn.attn",
+            o_proj="self_attn.o_proj",
+            attn_out="self_attn",
+            mlp_out="mlp",
+            mlp_down="mlp.down_proj",
+        ),
     ),
 )

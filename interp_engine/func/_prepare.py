@@ -9,15 +9,26 @@ from interp_engine.inputs import Prompts, to_prompts
 from interp_engine.spec import as_spec
 from interp_engine.validate import Plan, plan
 
+# Which backends serve each pure function in this build.
+SERVED_BY = {
+    "capture": ("eager", "vllm"),
+    "steer": ("eager", "vllm"),
+    "generate": ("eager",),
+    "logit_lens": ("eager",),
+    "run_with_grad": ("eager",),
+}
+
 
 def prepare(model, tokens, spec, reads: Iterable, *, purpose: str, verb: str,
             batch_size: int = 1) -> tuple[Prompts, Plan]:
     if not isinstance(model, ModelHandle):
         raise InputTypeError(fix(f"{verb}() takes a model handle first, got {type(model).__name__}.",
                                  f'model = load_model("path/or/repo"); {verb}(model, ...).'))
-    if model.backend != "eager":
-        raise BackendError(fix(f"{verb}() is not served by backend={model.backend!r} in this build.",
-                               'load the model with backend="eager".'))
+    served = SERVED_BY[verb]
+    if model.backend not in served:
+        names = " or ".join(f'backend="{b}"' for b in served)
+        raise BackendError(fix(f"{verb}() is not served by backend={model.backend!r}.",
+                               f"load the model with {names}."))
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise InputTypeError(fix(f"batch_size={batch_size!r} must be a positive int.", "e.g. batch_size=16."))
     prompts = to_prompts(tokens, tokenize=model.tokenize, d_vocab=model.d_vocab, max_len=model.dims.max_len)

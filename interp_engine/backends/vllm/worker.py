@@ -1,0 +1,294 @@
+"""The worker side: a `worker_extension_cls` mixed into every vLLM worker.
+
+The driver sends each call's hook table as plain data (`ie_install`), tags its requests with
+`extra_args["interp_engine"] = {"call", "prompt", "length"}`, and fetches results as safetensors bytes
+(`ie_collect`). Hooks exist only while at least one call is installed. Each step, the rows of the flattened
+batch are mapped back to (call, prompt, position) from the model runner, and every call's ops run on its own
+rows only, through the same `edits.apply` the eager backend uses.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+from safetensors.torch import save
+from torch import Tensor
+
+from interp_engine.addresses import Address
+from interp_engine.edits import Step, apply
+from interp_engine.spec import Spec
+
+TAG = "interp_engine"
+EMBED, FINAL, LOGITS = Address("embed"), Address("final"), Address("logits")
+
+
+@dataclass
+class WorkerCall:
+    """One driver call's table, and what was recorded for it (per address: (prompt, position, value) rows)."""
+
+    ops: dict[Address, tuple]
+    reads: frozenset[Address]
+    records: dict[Address, list[tuple[Tensor, Tensor, Tensor]]] = field(default_factory=dict)
+
+    @classmethod
+    def from_table(cls, table: dict) -> "WorkerCall":
+        ops: dict[Address, list] = {}
+        for op in Spec.from_dict(table["spec"]).ops:
+            ops.setdefault(op.point, []).append(op)
+        return cls({a: tuple(o) for a, o in ops.items()}, frozenset(Address.parse(r) for r in table["reads"]))
+
+    def wants(self, address: Address) -> bool:
+        return address in self.ops or address in self.reads
+
+
+@dataclass
+class Active:
+    call: WorkerCall
+    rows: Tensor  # indices into this step's flattened rows
+    step: Step  # [1, n] view of those rows
+
+
+class InterpExtension:
+    """Methods callable by name through `collective_rpc`. Names start with `ie_` to stay clear of the worker's."""
+
+    def ie_install(self, table: dict) -> bool:
+        calls = self._ie_calls()
+        calls[table["call"]] = WorkerCall.from_table(table)
+        self._ie_rehook()
+        return True
+
+    def ie_collect(self, call_id: str) -> bytes:
+        """Results of a call (rank 0 only; other ranks return empty bytes) and its removal."""
+        call = self._ie_calls().pop(call_id, None)
+        self._ie_rehook()
+        if call is None or self._ie_rank() != 0:
+            return b""
+        out: dict[str, Tensor] = {}
+        for address, chunks in call.records.items():
+            out[f"{address}|prompt"] = torch.cat([c[0] for c in chunks]).cpu()
+            out[f"{address}|pos"] = torch.cat([c[1] for c in chunks]).cpu()
+            out[f"{address}|value"] = torch.cat([c[2] for c in chunks]).cpu().contiguous()
+        return save(out) if out else b""
+
+    def ie_release(self, call_id: str) -> bool:
+        self._ie_calls().pop(call_id, None)
+        self._ie_rehook()
+        return True
+
+    def ie_status(self) -> dict:
+        """For leak checks: installed calls and hooks in this worker."""
+        return {"calls": len(self._ie_calls()), "hooks": len(getattr(self, "_ie_handles", []))}
+
+    # ------------------------------------------------------------------------------------------- internals
+    def _ie_calls(self) -> dict[str, WorkerCall]:
+        if not hasattr(self, "_ie_table"):
+            self._ie_table = {}
+        return self._ie_table
+
+    def _ie_rank(self) -> int:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank()
+
+    def _ie_rehook(self) -> None:
+        for handle in getattr(self, "_ie_handles", []):
+            handle.remove()
+        self._ie_handles = []
+        calls = self._ie_calls()
+        if calls:
+            self._ie_handles = install(self.model_runner, calls)
+
+
+def _layout(runner):
+    from interp_engine.arch import arch_for
+
+    return arch_for(runner.model_config.hf_config).vllm
+
+
+class StepState:
+    """Per forward: which rows belong to which call, built at the first layer's pre-hook."""
+
+    def __init__(self, runner, calls: dict[str, WorkerCall]):
+        self.runner, self.calls = runner, calls
+        self.active: list[Active] = []
+        self.stash: dict[int, Tensor] = {}
+
+    def begin(self, positions: Tensor) -> None:
+        batch = self.runner.input_batch
+        n = batch.num_reqs
+        qsl = self.runner.query_start_loc.np[: n + 1].tolist()
+        groups: dict[str, tuple[list, list, list]] = {}
+        for j, req_id in enumerate(batch.req_ids[:n]):
+            params = self.runner.requests[req_id].sampling_params
+            tag = (params.extra_args or {}).get(TAG) if params is not None else None
+            if not isinstance(tag, dict) or tag.get("call") not in self.calls:
+                continue
+            rows, prompts, lengths = groups.setdefault(tag["call"], ([], [], []))
+            count = qsl[j + 1] - qsl[j]
+            rows.append(torch.arange(qsl[j], qsl[j + 1]))
+            prompts.append(torch.full((count,), int(tag["prompt"])))
+            lengths.append(torch.full((count,), int(tag["length"])))
+        self.active = []
+        self.stash = {}
+        device = positions.device
+        for call_id, (rows, prompts, lengths) in groups.items():
+            rows = torch.cat(rows).to(device)
+            pos = positions.index_select(0, rows).long()
+            length = torch.cat(lengths).to(device)
+            # "last" is the last prompt token while prefilling, the newest token while generating.
+            last = torch.where(pos < length, length - 1, pos)
+            step = Step(pos[None], last[None], length[None], torch.cat(prompts).to(device)[None])
+            self.active.append(Active(self.calls[call_id], rows, step))
+
+    def touch(self, address: Address, x: Tensor) -> Tensor:
+        """x is [rows, ...]: apply each call's ops on its rows and record its reads. Out of place; returns x
+        itself when nothing changed."""
+        for active in self.active:
+            call = active.call
+            if not call.wants(address):
+                continue
+            mine = x.index_select(0, active.rows)[None]
+            edited = mine
+            for op in call.ops.get(address, ()):
+                edited = apply(op, edited, address.info, active.step)
+            if address in call.reads:
+                step = active.step
+                call.records.setdefault(address, []).append(
+                    (step.prompt_index[0].cpu(), step.abs_pos[0].cpu(), edited[0].detach().cpu().clone()))
+            if edited is not mine:
+                x = x.index_copy(0, active.rows, edited[0].to(x.dtype))
+        return x
+
+
+def install(runner, calls: dict[str, WorkerCall]) -> list:
+    """Register the hooks these calls need on the runner's model; return their handles."""
+    layout = _layout(runner)
+    model = runner.get_model()
+    state = StepState(runner, calls)
+    needed = set().union(*(c.ops.keys() | c.reads for c in calls.values()))
+    handles = []
+    for i, layer in enumerate(model.get_submodule(layout.layers)):
+        handles += _layer_hooks(layer, i, layout, state, needed)
+    if FINAL in needed or LOGITS in needed:
+        handles.append(model.get_submodule(layout.final_norm).register_forward_hook(
+            lambda m, args, out: _final(model, state, out, LOGITS in needed)))
+    return handles
+
+
+def _final(model, state: StepState, out, want_logits: bool):
+    normed = out[0] if isinstance(out, tuple) else out
+    edited = state.touch(FINAL, normed)
+    if want_logits:
+        # All ranks compute (the vocab-parallel gather is a collective); rank 0's copy is returned.
+        state.touch(LOGITS, model.compute_logits(edited))
+    if edited is normed:
+        return None
+    return (edited, *out[1:]) if isinstance(out, tuple) else edited
+
+
+def _layer_args(args, kwargs):
+    names = ("positions", "hidden_states", "residual")
+    values = list(args) + [kwargs.get(n) for n in names[len(args):]]
+    return values[0], values[1], values[2]
+
+
+def _with_layer_args(args, kwargs, hidden, residual):
+    if len(args) >= 3:
+        return (args[0], hidden, residual, *args[3:]), kwargs
+    if len(args) == 2:
+        return (args[0], hidden), {**kwargs, "residual": residual}
+    return args, {**kwargs, "hidden_states": hidden, "residual": residual}
+
+
+def _layer_hooks(layer, i: int, layout, state: StepState, needed: set) -> list:
+    at = lambda point: Address(point, i)  # noqa: E731
+    wants = lambda point: at(point) in needed  # noqa: E731
+    handles = []
+    need_mid = wants("resid_mid")
+    attention = layer.get_submodule(layout.attention)
+
+    if i == 0 or wants("resid_pre") or need_mid:
+        def layer_in(module, args, kwargs):
+            positions, hidden, residual = _layer_args(args, kwargs)
+            if i == 0:
+                state.begin(positions)
+            if not state.active:
+                return None
+            x = hidden if residual is None else hidden + residual
+            start = x
+            if i == 0 and EMBED in needed:
+                x = state.touch(EMBED, x)
+            x = state.touch(at("resid_pre"), x)
+            if need_mid:
+                state.stash[i] = x
+            if x is start:
+                return None
+            # vLLM carries the stream as (hidden, residual) and adds them first thing: hand it (x, 0).
+            return _with_layer_args(args, kwargs, x, None if residual is None else torch.zeros_like(residual))
+        handles.append(layer.register_forward_pre_hook(layer_in, with_kwargs=True))
+
+    if any(wants(p) for p in ("q", "k", "v")):
+        def attn_in(module, args):
+            if not state.active:
+                return None
+            q, k, v = args[:3]
+            new = []
+            for point, t, heads in (("q", q, attention.num_heads), ("k", k, attention.num_kv_heads),
+                                    ("v", v, attention.num_kv_heads)):
+                if wants(point):
+                    shaped = t.reshape(t.shape[0], heads, -1)
+                    edited = state.touch(at(point), shaped)
+                    t = t if edited is shaped else edited.reshape(t.shape)
+                new.append(t)
+            if all(a is b for a, b in zip(new, (q, k, v))):
+                return None
+            return (*new, *args[3:])
+        handles.append(attention.register_forward_pre_hook(attn_in))
+
+    if wants("z"):
+        def z_in(module, args):
+            if not state.active:
+                return None
+            z = args[0].reshape(args[0].shape[0], attention.num_heads, -1)
+            edited = state.touch(at("z"), z)
+            return None if edited is z else (edited.reshape(args[0].shape), *args[1:])
+        handles.append(layer.get_submodule(layout.o_proj).register_forward_pre_hook(z_in))
+
+    if wants("attn_out") or need_mid:
+        def attn_out(module, args, out):
+            if not state.active:
+                return None
+            a = state.touch(at("attn_out"), out)
+            if need_mid:
+                r = state.stash[i] + a
+                edited = state.touch(at("resid_mid"), r)
+                if edited is not r:
+                    a = a + (edited - r)
+            return None if a is out else a
+        handles.append(layer.get_submodule(layout.attn_out).register_forward_hook(attn_out))
+
+    if wants("mlp_act"):
+        def mlp_in(module, args):
+            if not state.active:
+                return None
+            edited = state.touch(at("mlp_act"), args[0])
+            return None if edited is args[0] else (edited, *args[1:])
+        handles.append(layer.get_submodule(layout.mlp_down).register_forward_pre_hook(mlp_in))
+
+    if wants("mlp_out"):
+        def mlp_out(module, args, out):
+            if not state.active:
+                return None
+            edited = state.touch(at("mlp_out"), out)
+            return None if edited is out else edited
+        handles.append(layer.get_submodule(layout.mlp_out).register_forward_hook(mlp_out))
+
+    if wants("resid_post"):
+        def layer_out(module, args, out):
+            if not state.active:
+                return None
+            hidden, residual = out
+            x = hidden + residual
+            edited = state.touch(at("resid_post"), x)
+            return None if edited is x else (edited, torch.zeros_like(residual))
+        handles.append(layer.register_forward_hook(layer_out))
+    return handles

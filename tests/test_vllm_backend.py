@@ -1,0 +1,111 @@
+"""backend="vllm" against the eager backend on the same prompts: every point, every op, per-request rows."""
+
+import asyncio
+
+import psutil
+import pytest
+import torch
+
+from interp_engine import BackendError, capture, load_model, run_with_grad, steer
+from interp_engine import spec as S
+from tests.conftest import PROMPTS
+from tests.skips import requires
+
+pytestmark = requires("vllm")
+RTOL, ATOL = 1e-4, 1e-5
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def served(request, tiny_path):
+    """A live vLLM handle per family; shut down at the end, after which no child process may remain."""
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    model = load_model(str(tiny_path(request.param)), backend="vllm")
+    asyncio.run(model.warmup())
+    yield request.param, model
+    asyncio.run(model.shutdown())
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    assert not left, f"child processes survived shutdown(): {left}"
+
+
+@pytest.fixture(autouse=True)
+def no_worker_tables_survive(request):
+    yield
+    if "served" in request.fixturenames:
+        _, model = request.getfixturevalue("served")
+        assert model.runtime.worker_status() == [{"calls": 0, "hooks": 0}]
+
+
+def _close(a, b):
+    assert a.shape == b.shape, (a.shape, b.shape)
+    assert torch.allclose(a, b, rtol=RTOL, atol=ATOL), f"max abs error {(a - b).abs().max().item()}"
+
+
+def test_every_point_equals_eager_on_a_ragged_batch(served, eager):
+    family, model = served
+    reference = eager(family)
+    points = model.points()
+    assert not any(a.point in ("attn_scores", "attn_probs") for a in points)
+    ours, theirs = capture(model, PROMPTS, points), capture(reference, PROMPTS, points)
+    assert ours.lengths == theirs.lengths
+    for address in points:
+        _close(ours[address], theirs[address])
+
+
+@pytest.mark.parametrize("make", [
+    lambda d: S.Add("resid_post.1", torch.linspace(-1, 1, d), scale=3.0),
+    lambda d: S.Set("resid_mid.2", torch.linspace(0, 1, d), positions="last"),
+    lambda d: S.Ablate("z.0", heads=[1, 2]),
+    lambda d: S.Scale("k.1", 0.25, heads=[0]) + S.Scale("q.2", 2.0),
+    lambda d: S.Ablate("mlp_act.0", heads=None) + S.Add("embed", torch.ones(d), positions=[1, -1]),
+    lambda d: S.Add("attn_out.1", torch.ones(d)) + S.Ablate("mlp_out.2") + S.Add("resid_pre.1", torch.ones(d)),
+], ids=["add", "set-last", "ablate-heads", "scale-qk", "zero-and-embed", "outs-and-pre"])
+def test_steering_equals_eager(served, eager, make):
+    family, model = served
+    reference = eager(family)
+    spec = make(model.d_model)
+    logits = steer(model, PROMPTS, spec)
+    _close(logits, steer(reference, PROMPTS, spec))
+    assert (logits - steer(model, PROMPTS, S.Spec())).abs().max() > 1e-3, "the edit must change the output"
+
+
+def test_each_request_gets_its_own_vector(served, eager):
+    """16 requests in one engine batch, each steered with its own vector, each equal to its solo run."""
+    family, model = served
+    prompts = [PROMPTS[i % 3] + " " + str(i) for i in range(16)]
+    width = max(len(model.tokenize(p)) for p in prompts)
+    vectors = torch.randn(16, 1, model.d_model, generator=torch.Generator().manual_seed(0)).expand(16, width, -1)
+    batch = steer(model, prompts, S.Add("resid_post.0", vectors.contiguous()))
+    for i in (0, 5, 15):
+        solo = steer(eager(family), prompts[i], S.Add("resid_post.0", vectors[i, 0]))
+        n = len(model.tokenize(prompts[i]))
+        _close(batch[i, :n], solo[0])
+
+
+def test_prefix_cache_never_skips_captured_positions(served, eager):
+    family, model = served
+    first = capture(model, PROMPTS, ["resid_post.0"])["resid_post.0"]
+    again = capture(model, PROMPTS, ["resid_post.0"])["resid_post.0"]  # same prefixes: the cache holds them
+    assert torch.equal(first, again)
+    _close(again, capture(eager(family), PROMPTS, ["resid_post.0"])["resid_post.0"])
+
+
+def test_refusals_name_the_fix(served, tiny_path):
+    _, model = served
+    v = torch.ones(model.d_model)
+    cases = [
+        (lambda: run_with_grad(model, PROMPTS, loss=lambda x: x.sum(), wrt=["resid_post.0"]), 'backend="eager"'),
+        (lambda: steer(model, PROMPTS, S.Custom("resid_post.0", lambda x: x)), 'backend="eager"'),
+        (lambda: steer(model, PROMPTS, S.Set("logits", torch.zeros(model.d_vocab))), 'backend="eager"'),
+        (lambda: capture(model, PROMPTS, ["attn_probs.0"]), 'attn_implementation="eager"'),
+        (lambda: steer(model, PROMPTS, S.Ablate("z.0", how="mean")), "S.Set("),
+        (lambda: load_model(str(tiny_path("qwen2")), backend="vllm").runtime.load(), "shutdown()"),
+        (lambda: load_model(str(tiny_path("gpt2")), backend="vllm"), 'backend="eager"'),
+        (lambda: load_model(str(tiny_path("llama")), backend="vllm", requires_grad=True), "requires_grad=True"),
+        (lambda: load_model(str(tiny_path("llama")), backend="vllm", enable_prefix_caching=False),
+         "extra_vllm_kwargs"),
+    ]
+    for call, fragment in cases:
+        with pytest.raises(BackendError if fragment != "extra_vllm_kwargs" else ValueError) as info:
+            call()
+        assert fragment in str(info.value) and "Fix:" in str(info.value), str(info.value)
+    assert steer(model, PROMPTS[0], S.Add("resid_post.0", v)).shape[0] == 1, "the handle still works"
