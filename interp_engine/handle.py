@@ -55,7 +55,7 @@ class ModelHandle:
         """Every address this handle can serve, in point-table order."""
         out = []
         for info in POINTS.values():
-            if info.needs_eager_attention and (self.backend != "eager" or self.attn_implementation != "eager"):
+            if info.needs_eager_attention and self.backend == "eager" and self.attn_implementation != "eager":
                 continue
             if info.layered:
                 out += [Address(info.name, i) for i in range(self.n_layers)]

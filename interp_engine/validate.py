@@ -31,12 +31,7 @@ def _resolve(address: Address, model, problems: list) -> Address | None:
         problems.append(e)
         return None
     info = resolved.info
-    if info.needs_eager_attention and model.backend != "eager":
-        problems.append(BackendError(fix(
-            f"{resolved} is not served by backend={model.backend!r} in this build.",
-            f'load with backend="eager", attn_implementation="eager" to read attention patterns.')))
-        return None
-    if info.needs_eager_attention and model.attn_implementation != "eager":
+    if info.needs_eager_attention and model.backend == "eager" and model.attn_implementation != "eager":
         problems.append(BackendError(fix(
             f"{resolved} needs attention weights, which {model.attn_implementation!r} attention never forms.",
             f'load with load_model({model.name!r}, backend="eager", attn_implementation="eager").')))

@@ -6,7 +6,7 @@ import psutil
 import pytest
 import torch
 
-from interp_engine import BackendError, capture, load_model, run_with_grad, steer
+from interp_engine import BackendError, capture, generate, load_model, run_with_grad, steer
 from interp_engine import spec as S
 from tests.conftest import PROMPTS
 from tests.skips import requires
@@ -44,7 +44,7 @@ def test_every_point_equals_eager_on_a_ragged_batch(served, eager):
     family, model = served
     reference = eager(family)
     points = model.points()
-    assert not any(a.point in ("attn_scores", "attn_probs") for a in points)
+    assert {"attn_scores", "attn_probs"} <= {a.point for a in points}
     ours, theirs = capture(model, PROMPTS, points), capture(reference, PROMPTS, points)
     assert ours.lengths == theirs.lengths
     for address in points:
@@ -96,7 +96,7 @@ def test_refusals_name_the_fix(served, tiny_path):
         (lambda: run_with_grad(model, PROMPTS, loss=lambda x: x.sum(), wrt=["resid_post.0"]), 'backend="eager"'),
         (lambda: steer(model, PROMPTS, S.Custom("resid_post.0", lambda x: x)), 'backend="eager"'),
         (lambda: steer(model, PROMPTS, S.Set("logits", torch.zeros(model.d_vocab))), 'backend="eager"'),
-        (lambda: capture(model, PROMPTS, ["attn_probs.0"]), 'attn_implementation="eager"'),
+        (lambda: steer(model, PROMPTS, S.Scale("attn_probs.0", 0.5)), 'backend="eager"'),
         (lambda: steer(model, PROMPTS, S.Ablate("z.0", how="mean")), "S.Set("),
         (lambda: load_model(str(tiny_path("qwen2")), backend="vllm").runtime.load(), "shutdown()"),
         (lambda: load_model(str(tiny_path("gpt2")), backend="vllm"), 'backend="eager"'),
@@ -109,3 +109,24 @@ def test_refusals_name_the_fix(served, tiny_path):
             call()
         assert fragment in str(info.value) and "Fix:" in str(info.value), str(info.value)
     assert steer(model, PROMPTS[0], S.Add("resid_post.0", v)).shape[0] == 1, "the handle still works"
+
+
+def test_steered_generation_equals_eager(served, eager):
+    family, model = served
+    vector = torch.randn(model.d_model, generator=torch.Generator().manual_seed(3))
+    spec = S.Add("resid_post.1", vector, scale=4.0) + S.Scale("v.0", 0.5, heads=[1])
+    ours = generate(model, PROMPTS, spec, max_new_tokens=6, stop_at_eos=False)
+    theirs = generate(eager(family), PROMPTS, spec, max_new_tokens=6, stop_at_eos=False)
+    assert ours.tokens == theirs.tokens
+    assert ours.tokens != generate(model, PROMPTS, max_new_tokens=6, stop_at_eos=False).tokens
+
+
+def test_generated_positions_capture_equals_eager(served, eager):
+    family, model = served
+    spec = S.Add("resid_post.0", torch.ones(model.d_model), positions="last")
+    points = ["resid_post.2", "k.1", "mlp_act.0", "z.2"]
+    ours = generate(model, PROMPTS, spec, max_new_tokens=4, stop_at_eos=False, capture=points)
+    theirs = generate(eager(family), PROMPTS, spec, max_new_tokens=4, stop_at_eos=False, capture=points)
+    assert ours.tokens == theirs.tokens and ours.cache.lengths == theirs.cache.lengths == (4, 4, 4)
+    for address in points:
+        _close(ours.cache[address], theirs.cache[address])

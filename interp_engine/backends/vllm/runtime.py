@@ -123,9 +123,7 @@ class VllmRuntime(TokenizerRuntime):
         llm = self.load()
         reads = list(dict.fromkeys([*plan.reads, *([LOGITS] if want_logits else [])]))
         call = uuid.uuid4().hex
-        ops = tuple(dataclasses.replace(op, point=address) for address, group in plan.ops.items() for op in group)
-        table = {"call": call, "spec": Spec(ops).to_dict(), "reads": [str(a) for a in reads]}
-        self._rpc("ie_install", table)
+        self._install(call, plan, reads, width=max(prompts.lengths))
         try:
             params = [SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, skip_reading_prefix_cache=True,
                                      extra_args={TAG: {"call": call, "prompt": i, "length": len(ids)}})
@@ -141,24 +139,69 @@ class VllmRuntime(TokenizerRuntime):
             records.pop(LOGITS, None)
         return logits, records
 
+    def generate(self, prompts: Prompts, plan: Plan, *, max_new_tokens: int, temperature: float,
+                 top_k: int | None, top_p: float | None, seed: int | None, stop_at_eos: bool, batch_size: int,
+                 progress: bool = True) -> tuple[list[list[int]], dict[Address, Tensor]]:
+        """Generate with the call's table in every step. Captures need the last new token fed back once more,
+        so they ask for one extra token (and ignore EOS, trimming afterwards): every kept token has its row."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        llm = self.load()
+        call = uuid.uuid4().hex
+        self._install(call, plan, list(plan.reads))
+        capturing = bool(plan.reads)
+        eos = self.eos_id
+        try:
+            params = [SamplingParams(
+                max_tokens=max_new_tokens + capturing, temperature=temperature, top_k=top_k or 0,
+                top_p=top_p or 1.0, seed=None if seed is None else seed + i, detokenize=False,
+                ignore_eos=True, stop_token_ids=[eos] if stop_at_eos and eos is not None and not capturing else None,
+                skip_reading_prefix_cache=True, extra_args={TAG: {"call": call, "prompt": i, "length": len(ids)}})
+                for i, ids in enumerate(prompts.ids)]
+            outputs = llm.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids in prompts.ids], params,
+                                   use_tqdm=progress and len(prompts) > 1)
+            blob = self._rpc("ie_collect", call)[0]
+        finally:
+            self._rpc("ie_release", call)
+        new = []
+        for out in outputs:
+            tokens = list(out.outputs[0].token_ids)[:max_new_tokens]
+            if stop_at_eos and eos is not None and eos in tokens:
+                tokens = tokens[: tokens.index(eos) + 1]
+            new.append(tokens)
+        records = assemble(blob, list(plan.reads), tuple(len(t) for t in new), offsets=prompts.lengths)
+        return new, records
+
+    def _install(self, call: str, plan: Plan, reads: list[Address], width: int = 0) -> None:
+        ops = tuple(dataclasses.replace(op, point=address) for address, group in plan.ops.items() for op in group)
+        self._rpc("ie_install", {"call": call, "spec": Spec(ops).to_dict(), "reads": [str(a) for a in reads],
+                                 "width": width})
+
     def worker_status(self) -> list[dict]:
         return self._rpc("ie_status") if self.llm is not None else []
 
 
-def assemble(blob: bytes, reads: list[Address], lengths: tuple[int, ...]) -> dict[Address, Tensor]:
-    """Rows keyed by (prompt, position) -> right-padded [n_prompts, width, ...] tensors, zeros past each end."""
+def assemble(blob: bytes, reads: list[Address], lengths: tuple[int, ...],
+             offsets: tuple[int, ...] | None = None) -> dict[Address, Tensor]:
+    """Rows keyed by (prompt, position) -> right-padded [n_prompts, width, ...] tensors, zeros past each end.
+
+    With `offsets`, row `offsets[i] + j` of prompt i lands at column j (generated positions)."""
     from safetensors.torch import load
 
     flat = load(blob) if blob else {}
-    width = max(lengths)
+    width = max(max(lengths), 1)
     out = {}
     for address in reads:
         key = str(address)
         if f"{key}|value" not in flat:
             raise BackendError(f"internal: the workers recorded nothing at {address}")
         prompt, pos, value = flat[f"{key}|prompt"], flat[f"{key}|pos"], flat[f"{key}|value"]
-        keep = pos < torch.tensor(lengths)[prompt]
+        if offsets is not None:
+            pos = pos - torch.tensor(offsets)[prompt]
+        keep = (pos >= 0) & (pos < torch.tensor(lengths)[prompt])
         full = torch.zeros((len(lengths), width, *value.shape[1:]), dtype=value.dtype)
         full[prompt[keep], pos[keep]] = value[keep]
-        out[address] = full
+        # Pattern rows arrive as [q, heads, k]; the point's axes are batch n_heads q_pos k_pos.
+        out[address] = full.permute(0, 2, 1, 3).contiguous() if address.info.pos_axis == 2 else full
     return out

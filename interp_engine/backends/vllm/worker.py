@@ -27,14 +27,17 @@ class WorkerCall:
 
     ops: dict[Address, tuple]
     reads: frozenset[Address]
+    width: int = 0  # longest prompt: attention-pattern rows are padded to it
     records: dict[Address, list[tuple[Tensor, Tensor, Tensor]]] = field(default_factory=dict)
+    keys: dict[tuple[int, int], list[tuple[Tensor, Tensor]]] = field(default_factory=dict)  # (prompt, layer)
 
     @classmethod
     def from_table(cls, table: dict) -> "WorkerCall":
         ops: dict[Address, list] = {}
         for op in Spec.from_dict(table["spec"]).ops:
             ops.setdefault(op.point, []).append(op)
-        return cls({a: tuple(o) for a, o in ops.items()}, frozenset(Address.parse(r) for r in table["reads"]))
+        return cls({a: tuple(o) for a, o in ops.items()}, frozenset(Address.parse(r) for r in table["reads"]),
+                   int(table.get("width", 0)))
 
     def wants(self, address: Address) -> bool:
         return address in self.ops or address in self.reads
@@ -226,10 +229,17 @@ def _layer_hooks(layer, i: int, layout, state: StepState, needed: set) -> list:
             return _with_layer_args(args, kwargs, x, None if residual is None else torch.zeros_like(residual))
         handles.append(layer.register_forward_pre_hook(layer_in, with_kwargs=True))
 
-    if any(wants(p) for p in ("q", "k", "v")):
+    patterns = wants("attn_scores") or wants("attn_probs")
+    if any(wants(p) for p in ("q", "k", "v")) or patterns:
         def attn_in(module, args):
             if not state.active:
                 return None
+            edited = attn_edits(args)
+            if patterns:  # recomputed from the q and k the kernel will see, after any edits to them
+                record_patterns(state, i, attention, *(edited or args)[:2])
+            return edited
+
+        def attn_edits(args):
             q, k, v = args[:3]
             new = []
             for point, t, heads in (("q", q, attention.num_heads), ("k", k, attention.num_kv_heads),
@@ -292,3 +302,42 @@ def _layer_hooks(layer, i: int, layout, state: StepState, needed: set) -> list:
             return None if edited is x else (edited, torch.zeros_like(residual))
         handles.append(layer.register_forward_hook(layer_out))
     return handles
+
+
+def record_patterns(state: StepState, layer: int, attention, q: Tensor, k: Tensor) -> None:
+    """attn_scores / attn_probs rows for the calls that read them, from post-rotary q and every key so far.
+
+    Keys are kept per (prompt, layer) across steps, so a chunked prefill still sees its earlier chunks."""
+    scores_at, probs_at = Address("attn_scores", layer), Address("attn_probs", layer)
+    n_heads, n_kv = attention.num_heads, attention.num_kv_heads
+    scale = attention.impl.scale
+    cap = getattr(attention.impl, "logits_soft_cap", None) or None
+    window = getattr(attention, "sliding_window", None)
+    for active in state.active:
+        call = active.call
+        if scores_at not in call.reads and probs_at not in call.reads:
+            continue
+        q_rows = q.index_select(0, active.rows).reshape(len(active.rows), n_heads, -1).float()
+        k_rows = k.index_select(0, active.rows).reshape(len(active.rows), n_kv, -1).float()
+        prompts, positions = active.step.prompt_index[0], active.step.abs_pos[0]
+        for prompt in prompts.unique().tolist():
+            mine = prompts == prompt
+            stash = call.keys.setdefault((prompt, layer), [])
+            stash.append((positions[mine], k_rows[mine]))
+            key_pos = torch.cat([p for p, _ in stash])
+            keys = torch.cat([t for _, t in stash]).repeat_interleave(n_heads // n_kv, dim=1)
+            q_pos = positions[mine]
+            scores = torch.einsum("qhd,khd->qhk", q_rows[mine], keys) * scale
+            if cap:
+                scores = torch.tanh(scores / cap) * cap
+            masked = key_pos[None, :] > q_pos[:, None]
+            if window:
+                masked |= (q_pos[:, None] - key_pos[None, :]) >= window
+            scores = scores.masked_fill(masked[:, None, :], float("-inf"))
+            for address, values in ((scores_at, scores), (probs_at, torch.softmax(scores, dim=-1))):
+                if address not in call.reads:
+                    continue
+                row = torch.zeros((len(q_pos), n_heads, call.width), dtype=q.dtype, device=q.device)
+                row[:, :, key_pos] = values.to(q.dtype)
+                call.records.setdefault(address, []).append(
+                    (torch.full((len(q_pos),), prompt).cpu(), q_pos.cpu(), row.cpu()))
