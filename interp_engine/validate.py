@@ -82,6 +82,11 @@ def plan(model, spec: Spec, reads: Iterable[Address], *, n_prompts: int, longest
     """Resolve and check a spec and a read list against `model`; raise one error naming every problem."""
     problems: list = []
     generating = purpose == "generate"
+    reads = list(reads)
+    if model.backend == "vllm-generate" and (spec.ops or reads):
+        raise BackendError(fix('backend="vllm-generate" is plain vLLM: no taps, so no capture and no steering.',
+                               f'load_model({model.name!r}, backend="vllm") serves any point per request, '
+                               'and backend="eager" every point with gradients.'))
     ops: dict[Address, list] = {}
     for op in spec.ops:
         address = _resolve(op.point, model, problems)

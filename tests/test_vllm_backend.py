@@ -8,6 +8,7 @@ import torch
 
 from interp_engine import BackendError, capture, generate, load_model, run_with_grad, steer
 from interp_engine import spec as S
+from interp_engine.backends.vllm.runtime import resource_tracker_pid
 from tests.conftest import PROMPTS
 from tests.skips import requires
 
@@ -23,7 +24,8 @@ def served(request, tiny_path):
     asyncio.run(model.warmup())
     yield request.param, model
     asyncio.run(model.shutdown())
-    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    left = [p for p in psutil.Process().children(recursive=True)
+            if p.pid not in before and p.pid != resource_tracker_pid()]
     assert not left, f"child processes survived shutdown(): {left}"
 
 
@@ -32,7 +34,8 @@ def no_worker_tables_survive(request):
     yield
     if "served" in request.fixturenames:
         _, model = request.getfixturevalue("served")
-        assert model.runtime.worker_status() == [{"calls": 0, "hooks": 0}]
+        if model.is_loaded:
+            assert model.runtime.worker_status() == [{"calls": 0, "hooks": 0}]
 
 
 def _close(a, b):
@@ -130,3 +133,22 @@ def test_generated_positions_capture_equals_eager(served, eager):
     assert ours.tokens == theirs.tokens and ours.cache.lengths == theirs.cache.lengths == (4, 4, 4)
     for address in points:
         _close(ours.cache[address], theirs.cache[address])
+
+
+def test_vllm_generate_is_plain_vllm(served, tiny_path, eager):
+    """vllm-generate installs nothing: greedy tokens equal eager's, capture and steering are refused."""
+    family, model = served
+    asyncio.run(model.shutdown())  # one engine per process; the module fixture reloads it lazily
+    plain = load_model(str(tiny_path(family)), backend="vllm-generate", extra_vllm_kwargs={"enforce_eager": True})
+    try:
+        out = generate(plain, PROMPTS, max_new_tokens=5, stop_at_eos=False)
+        assert out.tokens == generate(eager(family), PROMPTS, max_new_tokens=5, stop_at_eos=False).tokens
+        for call in (lambda: capture(plain, PROMPTS, ["resid_post.0"]),
+                     lambda: generate(plain, PROMPTS, S.Ablate("z.0"), max_new_tokens=2),
+                     lambda: generate(plain, PROMPTS, max_new_tokens=2, capture=["resid_post.0"])):
+            with pytest.raises(BackendError, match='backend="vllm"'):
+                call()
+        with pytest.raises(Exception, match="ie_status"):
+            plain.runtime.llm.collective_rpc("ie_status")  # no worker extension in this engine
+    finally:
+        asyncio.run(plain.shutdown())

@@ -13,7 +13,7 @@ from interp_engine.validate import Plan, plan
 SERVED_BY = {
     "capture": ("eager", "vllm"),
     "steer": ("eager", "vllm"),
-    "generate": ("eager", "vllm"),
+    "generate": ("eager", "vllm", "vllm-generate"),
     "logit_lens": ("eager",),
     "run_with_grad": ("eager",),
 }

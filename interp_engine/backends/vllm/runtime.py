@@ -37,7 +37,11 @@ class VllmRuntime(TokenizerRuntime):
         self.source, self.name, self.backend, self.arch, self.dims = source, name, backend, arch, dims
         self.dtype, self.num_gpus, self.engine_kwargs, self.tokenizer = dtype, num_gpus, dict(engine_kwargs), tokenizer
         self.llm = None
+        self._procs: list = []
+        self._tables: dict[str, dict] = {}  # spec fingerprint -> compiled table (plain data), driver side only
         self._lock = threading.Lock()
+        # One call at a time: LLM.generate drives the engine synchronously and is not re-entrant.
+        self._busy = threading.Lock()
 
     @property
     def is_loaded(self) -> bool:
@@ -55,7 +59,15 @@ class VllmRuntime(TokenizerRuntime):
                         "per process.", f"await model.shutdown() on {other.name!r} before loading {self.name!r}."))
                 _LIVE[self.name] = self
             try:
+                import psutil
+
+                before = {p.pid for p in psutil.Process().children(recursive=True)}
                 self.llm = self._engine()
+                # Exactly the processes this engine started: shutdown() waits for (and if need be kills) these.
+                # Python's multiprocessing resource tracker is not one of them: spawn starts it once per
+                # process and every later spawn reuses it.
+                self._procs = [p for p in psutil.Process().children(recursive=True)
+                               if p.pid not in before and p.pid != resource_tracker_pid()]
             except BaseException:
                 with _LIVE_LOCK:
                     _LIVE.pop(self.name, None)
@@ -99,13 +111,13 @@ class VllmRuntime(TokenizerRuntime):
             return
         import psutil
 
-        children = psutil.Process().children(recursive=True)
+        procs, self._procs = self._procs, []
         try:
             llm.llm_engine.engine_core.shutdown()
         finally:
             del llm
             gc.collect()
-            _, alive = psutil.wait_procs(children, timeout=20)
+            _, alive = psutil.wait_procs(procs, timeout=20)
             for process in alive:
                 process.kill()
             psutil.wait_procs(alive, timeout=5)
@@ -114,8 +126,16 @@ class VllmRuntime(TokenizerRuntime):
     def _rpc(self, method: str, *args):
         return self.load().collective_rpc(method, args=args)
 
-    def forward(self, prompts: Prompts, plan: Plan, *, batch_size: int, want_logits: bool,
-                progress: bool = True) -> tuple[Tensor | None, dict[Address, Tensor]]:
+    def forward(self, prompts: Prompts, plan: Plan, **kwargs) -> tuple[Tensor | None, dict[Address, Tensor]]:
+        with self._busy:
+            return self._prefill(prompts, plan, **kwargs)
+
+    def generate(self, prompts: Prompts, plan: Plan, **kwargs) -> tuple[list[list[int]], dict[Address, Tensor]]:
+        with self._busy:
+            return self._generate(prompts, plan, **kwargs)
+
+    def _prefill(self, prompts: Prompts, plan: Plan, *, batch_size: int, want_logits: bool,
+                 progress: bool = True) -> tuple[Tensor | None, dict[Address, Tensor]]:
         """Prefill every prompt once (max_tokens=1) with the call's table installed; vLLM batches them."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -139,7 +159,7 @@ class VllmRuntime(TokenizerRuntime):
             records.pop(LOGITS, None)
         return logits, records
 
-    def generate(self, prompts: Prompts, plan: Plan, *, max_new_tokens: int, temperature: float,
+    def _generate(self, prompts: Prompts, plan: Plan, *, max_new_tokens: int, temperature: float,
                  top_k: int | None, top_p: float | None, seed: int | None, stop_at_eos: bool, batch_size: int,
                  progress: bool = True) -> tuple[list[list[int]], dict[Address, Tensor]]:
         """Generate with the call's table in every step. Captures need the last new token fed back once more,
@@ -149,7 +169,9 @@ class VllmRuntime(TokenizerRuntime):
 
         llm = self.load()
         call = uuid.uuid4().hex
-        self._install(call, plan, list(plan.reads))
+        tabled = bool(plan.ops or plan.reads)  # a plain request installs nothing (and vllm-generate can't)
+        if tabled:
+            self._install(call, plan, list(plan.reads))
         capturing = bool(plan.reads)
         eos = self.eos_id
         try:
@@ -157,13 +179,15 @@ class VllmRuntime(TokenizerRuntime):
                 max_tokens=max_new_tokens + capturing, temperature=temperature, top_k=top_k or 0,
                 top_p=top_p or 1.0, seed=None if seed is None else seed + i, detokenize=False,
                 ignore_eos=True, stop_token_ids=[eos] if stop_at_eos and eos is not None and not capturing else None,
-                skip_reading_prefix_cache=True, extra_args={TAG: {"call": call, "prompt": i, "length": len(ids)}})
+                skip_reading_prefix_cache=tabled,
+                extra_args={TAG: {"call": call, "prompt": i, "length": len(ids)}} if tabled else None)
                 for i, ids in enumerate(prompts.ids)]
             outputs = llm.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids in prompts.ids], params,
                                    use_tqdm=progress and len(prompts) > 1)
-            blob = self._rpc("ie_collect", call)[0]
+            blob = self._rpc("ie_collect", call)[0] if tabled else b""
         finally:
-            self._rpc("ie_release", call)
+            if tabled:
+                self._rpc("ie_release", call)
         new = []
         for out in outputs:
             tokens = list(out.outputs[0].token_ids)[:max_new_tokens]
@@ -174,12 +198,23 @@ class VllmRuntime(TokenizerRuntime):
         return new, records
 
     def _install(self, call: str, plan: Plan, reads: list[Address], width: int = 0) -> None:
-        ops = tuple(dataclasses.replace(op, point=address) for address, group in plan.ops.items() for op in group)
-        self._rpc("ie_install", {"call": call, "spec": Spec(ops).to_dict(), "reads": [str(a) for a in reads],
-                                 "width": width})
+        spec = Spec(tuple(dataclasses.replace(op, point=address)
+                          for address, group in plan.ops.items() for op in group))
+        key = spec.fingerprint()
+        compiled = self._tables.pop(key, None) or spec.to_dict()
+        self._tables[key] = compiled  # most recent last; serialising large Patch sources once is worth it
+        while len(self._tables) > 32:
+            self._tables.pop(next(iter(self._tables)))
+        self._rpc("ie_install", {"call": call, "spec": compiled, "reads": [str(a) for a in reads], "width": width})
 
     def worker_status(self) -> list[dict]:
-        return self._rpc("ie_status") if self.llm is not None else []
+        return self._rpc("ie_status") if self.llm is not None and self.backend == "vllm" else []
+
+
+def resource_tracker_pid() -> int | None:
+    from multiprocessing import resource_tracker
+
+    return getattr(resource_tracker._resource_tracker, "_pid", None)
 
 
 def assemble(blob: bytes, reads: list[Address], lengths: tuple[int, ...],
