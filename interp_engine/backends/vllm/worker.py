@@ -101,6 +101,38 @@ class InterpExtension:
             self._ie_handles = install(self.model_runner, calls)
 
 
+class Shards:
+    """Tensor-parallel gather and split of sharded points (heads, MLP neurons). Every rank calls these in the
+    same order (the decision to gather depends only on the broadcast schedule), so the collectives match."""
+
+    def __init__(self, config):
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        self.size, self.rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+        self.kv_total = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+    def gather(self, x: Tensor, dim: int) -> Tensor:
+        if self.size == 1:
+            return x
+        from vllm.distributed import tensor_model_parallel_all_gather
+
+        return tensor_model_parallel_all_gather(x.contiguous(), dim=dim)
+
+    def gather_kv(self, x: Tensor) -> Tensor:
+        """[T, local kv heads, D] -> [T, kv heads, D]; with more ranks than kv heads each head is replicated
+        on `size // kv_total` ranks, so keep one copy of each."""
+        full = self.gather(x, 1)
+        replicas = max(1, self.size // self.kv_total)
+        return full if replicas == 1 else full[:, ::replicas]
+
+    def split(self, full: Tensor, dim: int, local: int) -> Tensor:
+        return full if self.size == 1 else full.narrow(dim, self.rank * local, local)
+
+    def split_kv(self, full: Tensor, local: int) -> Tensor:
+        replicas = max(1, self.size // self.kv_total)
+        return full if self.size == 1 else full.narrow(1, (self.rank // replicas) * local, local)
+
+
 def _layout(runner):
     from interp_engine.arch import arch_for
 
@@ -112,6 +144,7 @@ class StepState:
 
     def __init__(self, runner, calls: dict[str, WorkerCall]):
         self.runner, self.calls = runner, calls
+        self.shards = Shards(runner.model_config.hf_config)
         self.active: list[Active] = []
         self.stash: dict[int, Tensor] = {}
 
@@ -234,21 +267,22 @@ def _layer_hooks(layer, i: int, layout, state: StepState, needed: set) -> list:
         def attn_in(module, args):
             if not state.active:
                 return None
-            edited = attn_edits(args)
-            if patterns:  # recomputed from the q and k the kernel will see, after any edits to them
-                record_patterns(state, i, attention, *(edited or args)[:2])
-            return edited
-
-        def attn_edits(args):
             q, k, v = args[:3]
-            new = []
-            for point, t, heads in (("q", q, attention.num_heads), ("k", k, attention.num_kv_heads),
+            shards = state.shards
+            new, full = [], {}
+            for point, t, local in (("q", q, attention.num_heads), ("k", k, attention.num_kv_heads),
                                     ("v", v, attention.num_kv_heads)):
-                if wants(point):
-                    shaped = t.reshape(t.shape[0], heads, -1)
-                    edited = state.touch(at(point), shaped)
-                    t = t if edited is shaped else edited.reshape(t.shape)
+                if wants(point) or (patterns and point in "qk"):
+                    heads = t.reshape(t.shape[0], local, -1)
+                    gathered = shards.gather(heads, 1) if point == "q" else shards.gather_kv(heads)
+                    edited = state.touch(at(point), gathered) if wants(point) else gathered
+                    full[point] = edited
+                    if edited is not gathered:
+                        mine = shards.split(edited, 1, local) if point == "q" else shards.split_kv(edited, local)
+                        t = mine.reshape(t.shape).to(t.dtype)
                 new.append(t)
+            if patterns:  # recomputed from the q and k the kernel will see, after any edits to them
+                record_patterns(state, i, full["q"], full["k"], attention)
             if all(a is b for a, b in zip(new, (q, k, v))):
                 return None
             return (*new, *args[3:])
@@ -258,9 +292,12 @@ def _layer_hooks(layer, i: int, layout, state: StepState, needed: set) -> list:
         def z_in(module, args):
             if not state.active:
                 return None
-            z = args[0].reshape(args[0].shape[0], attention.num_heads, -1)
+            local = attention.num_heads
+            z = state.shards.gather(args[0].reshape(args[0].shape[0], local, -1), 1)
             edited = state.touch(at("z"), z)
-            return None if edited is z else (edited.reshape(args[0].shape), *args[1:])
+            if edited is z:
+                return None
+            return (state.shards.split(edited, 1, local).reshape(args[0].shape).to(args[0].dtype), *args[1:])
         handles.append(layer.get_submodule(layout.o_proj).register_forward_pre_hook(z_in))
 
     if wants("attn_out") or need_mid:
@@ -280,8 +317,10 @@ def _layer_hooks(layer, i: int, layout, state: StepState, needed: set) -> list:
         def mlp_in(module, args):
             if not state.active:
                 return None
-            edited = state.touch(at("mlp_act"), args[0])
-            return None if edited is args[0] else (edited, *args[1:])
+            local = args[0].shape[-1]
+            act = state.shards.gather(args[0], -1)
+            edited = state.touch(at("mlp_act"), act)
+            return None if edited is act else (state.shards.split(edited, -1, local).to(args[0].dtype), *args[1:])
         handles.append(layer.get_submodule(layout.mlp_down).register_forward_pre_hook(mlp_in))
 
     if wants("mlp_out"):
@@ -304,12 +343,13 @@ def _layer_hooks(layer, i: int, layout, state: StepState, needed: set) -> list:
     return handles
 
 
-def record_patterns(state: StepState, layer: int, attention, q: Tensor, k: Tensor) -> None:
+def record_patterns(state: StepState, layer: int, q: Tensor, k: Tensor, attention) -> None:
     """attn_scores / attn_probs rows for the calls that read them, from post-rotary q and every key so far.
 
-    Keys are kept per (prompt, layer) across steps, so a chunked prefill still sees its earlier chunks."""
+    q and k arrive gathered ([rows, heads, d_head]). Keys are kept per (prompt, layer) across steps, so a
+    chunked prefill still sees its earlier chunks."""
     scores_at, probs_at = Address("attn_scores", layer), Address("attn_probs", layer)
-    n_heads, n_kv = attention.num_heads, attention.num_kv_heads
+    n_heads, n_kv = q.shape[1], k.shape[1]
     scale = attention.impl.scale
     cap = getattr(attention.impl, "logits_soft_cap", None) or None
     window = getattr(attention, "sliding_window", None)
@@ -317,8 +357,8 @@ def record_patterns(state: StepState, layer: int, attention, q: Tensor, k: Tenso
         call = active.call
         if scores_at not in call.reads and probs_at not in call.reads:
             continue
-        q_rows = q.index_select(0, active.rows).reshape(len(active.rows), n_heads, -1).float()
-        k_rows = k.index_select(0, active.rows).reshape(len(active.rows), n_kv, -1).float()
+        q_rows = q.index_select(0, active.rows).float()
+        k_rows = k.index_select(0, active.rows).float()
         prompts, positions = active.step.prompt_index[0], active.step.abs_pos[0]
         for prompt in prompts.unique().tolist():
             mine = prompts == prompt

