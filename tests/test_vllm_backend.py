@@ -6,7 +6,7 @@ import psutil
 import pytest
 import torch
 
-from interp_engine import BackendError, capture, generate, load_model, run_with_grad, steer
+from interp_engine import BackendError, capture, generate, load_model, logit_lens, run_with_grad, steer
 from interp_engine import spec as S
 from interp_engine.backends.vllm.runtime import resource_tracker_pid
 from tests.conftest import PROMPTS
@@ -69,6 +69,18 @@ def test_steering_equals_eager(served, eager, make):
     logits = steer(model, PROMPTS, spec)
     _close(logits, steer(reference, PROMPTS, spec))
     assert (logits - steer(model, PROMPTS, S.Spec())).abs().max() > 1e-3, "the edit must change the output"
+
+
+def test_logit_lens_runs_in_the_worker_and_equals_eager(served, eager):
+    family, model = served
+    spec = S.Add("resid_post.0", torch.ones(model.d_model))
+    points = ["embed", "resid_mid.1", "resid_post.1", "resid_post.2"]
+    ours = logit_lens(model, PROMPTS, points=points, spec=spec)
+    _close(ours, logit_lens(eager(family), PROMPTS, points=points, spec=spec))
+    last = torch.log_softmax(steer(model, PROMPTS, spec), -1)
+    for i, prompt in enumerate(PROMPTS):
+        n = len(model.tokenize(prompt))
+        _close(ours[-1, i, :n], last[i, :n])
 
 
 def test_each_request_gets_its_own_vector(served, eager):

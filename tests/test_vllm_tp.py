@@ -6,7 +6,7 @@ import psutil
 import pytest
 import torch
 
-from interp_engine import capture, generate, load_model, steer
+from interp_engine import capture, generate, load_model, logit_lens, steer
 from interp_engine import spec as S
 from interp_engine.backends.vllm.runtime import resource_tracker_pid
 from tests.conftest import PROMPTS
@@ -23,6 +23,7 @@ def _run(model):
         "cache": capture(model, PROMPTS, points),
         "edited": capture(model, PROMPTS, ["resid_post.2", "q.1", "z.1", "attn_probs.1"], spec),
         "logits": steer(model, PROMPTS, spec),
+        "lens": logit_lens(model, PROMPTS, spec=spec),
         "tokens": generate(model, PROMPTS, spec, max_new_tokens=4, stop_at_eos=False).tokens,
         "status": model.runtime.worker_status(),
     }
@@ -46,6 +47,7 @@ def test_two_ranks_give_the_shapes_and_values_of_one(tiny_path):
     for address in one["edited"]:
         assert torch.allclose(one["edited"][address], two["edited"][address], rtol=1e-4, atol=1e-5), address
     assert torch.allclose(one["logits"], two["logits"], rtol=1e-4, atol=1e-5)
+    assert torch.allclose(one["lens"], two["lens"], rtol=1e-4, atol=1e-4)
     assert one["tokens"] == two["tokens"]
     left = [p for p in psutil.Process().children(recursive=True)
             if p.pid not in before and p.pid != resource_tracker_pid()]

@@ -14,7 +14,7 @@ SERVED_BY = {
     "capture": ("eager", "vllm"),
     "steer": ("eager", "vllm"),
     "generate": ("eager", "vllm", "vllm-generate"),
-    "logit_lens": ("eager",),
+    "logit_lens": ("eager", "vllm"),
     "run_with_grad": ("eager",),
 }
 

@@ -29,13 +29,5 @@ def logit_lens(model: ModelHandle, tokens: PromptsLike, *, points: Sequence[str 
         raise SpecError(fix(f"the logit lens reads the residual stream; {', '.join(bad)} is not d_model-shaped.",
                             "use resid_pre/resid_mid/resid_post, attn_out, mlp_out, embed or final."))
     prompts, plan = prepare(model, tokens, spec, chosen, purpose="forward", verb="logit_lens", batch_size=batch_size)
-    _, records = model.runtime.forward(prompts, plan, batch_size=batch_size, want_logits=False, progress=progress)
-    resolved = [a.resolve(model.n_layers) for a in chosen]
-    valid = torch.zeros(len(prompts), max(prompts.lengths), dtype=torch.bool)
-    for i, n in enumerate(prompts.lengths):
-        valid[i, :n] = True
-    out = []
-    for address in resolved:
-        logprobs = torch.log_softmax(model.runtime.unembed(records[address]).float(), dim=-1)
-        out.append(torch.where(valid[..., None].to(logprobs.device), logprobs, torch.zeros((), device=logprobs.device)))
-    return torch.stack(out)
+    logprobs = model.runtime.lens(prompts, plan, batch_size=batch_size, progress=progress)
+    return torch.stack([logprobs[a.resolve(model.n_layers)] for a in chosen])

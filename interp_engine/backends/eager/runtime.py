@@ -123,6 +123,18 @@ class EagerRuntime(TokenizerRuntime):
             grads, value = grad_and_value(objective)(zeros)
         return value.detach(), {a: _zero_padding(g, step, a) for a, g in grads.items()}
 
+    def lens(self, prompts: Prompts, plan: Plan, *, batch_size: int, progress: bool = True) -> dict[Address, Tensor]:
+        """Log-probs of the next token read off each read point (final norm + unembedding); zeros at padding."""
+        _, records = self.forward(prompts, plan, batch_size=batch_size, want_logits=False, progress=progress)
+        valid = torch.zeros(len(prompts), max(prompts.lengths), dtype=torch.bool)
+        for i, n in enumerate(prompts.lengths):
+            valid[i, :n] = True
+        out = {}
+        for address, resid in records.items():
+            logprobs = torch.log_softmax(self.unembed(resid).float(), dim=-1)
+            out[address] = torch.where(valid[..., None].to(logprobs.device), logprobs, torch.zeros((), device=logprobs.device))
+        return out
+
     def unembed(self, resid: Tensor) -> Tensor:
         """Final norm, unembedding and (where the arch has it) final logit softcap, on a [..., d_model] tensor."""
         model = self.load()

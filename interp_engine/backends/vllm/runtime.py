@@ -130,12 +130,21 @@ class VllmRuntime(TokenizerRuntime):
         with self._busy:
             return self._prefill(prompts, plan, **kwargs)
 
+    def lens(self, prompts: Prompts, plan: Plan, *, batch_size: int, progress: bool = True) -> dict[Address, Tensor]:
+        """The logit lens computed in the workers (final norm + vLLM's own logits path, vocab-parallel gathered),
+        so only log-probs cross to the driver, never the residual stream."""
+        lensed = Plan(plan.ops, ())
+        with self._busy:
+            _, records = self._prefill(prompts, lensed, batch_size=batch_size, want_logits=False, progress=progress,
+                                       lens=plan.reads)
+        return records
+
     def generate(self, prompts: Prompts, plan: Plan, **kwargs) -> tuple[list[list[int]], dict[Address, Tensor]]:
         with self._busy:
             return self._generate(prompts, plan, **kwargs)
 
     def _prefill(self, prompts: Prompts, plan: Plan, *, batch_size: int, want_logits: bool,
-                 progress: bool = True) -> tuple[Tensor | None, dict[Address, Tensor]]:
+                 progress: bool = True, lens: tuple[Address, ...] = ()) -> tuple[Tensor | None, dict[Address, Tensor]]:
         """Prefill every prompt once (max_tokens=1) with the call's table installed; vLLM batches them."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -143,7 +152,7 @@ class VllmRuntime(TokenizerRuntime):
         llm = self.load()
         reads = list(dict.fromkeys([*plan.reads, *([LOGITS] if want_logits else [])]))
         call = uuid.uuid4().hex
-        self._install(call, plan, reads, width=max(prompts.lengths))
+        self._install(call, plan, reads, width=max(prompts.lengths), lens=lens)
         try:
             params = [SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, skip_reading_prefix_cache=True,
                                      extra_args={TAG: {"call": call, "prompt": i, "length": len(ids)}})
@@ -153,7 +162,7 @@ class VllmRuntime(TokenizerRuntime):
             blob = self._rpc("ie_collect", call)[0]
         finally:
             self._rpc("ie_release", call)
-        records = assemble(blob, reads, prompts.lengths)
+        records = assemble(blob, reads or list(lens), prompts.lengths, prefix="lens:" if lens else "")
         logits = records.get(LOGITS) if want_logits else None
         if LOGITS not in plan.reads:
             records.pop(LOGITS, None)
@@ -197,7 +206,8 @@ class VllmRuntime(TokenizerRuntime):
         records = assemble(blob, list(plan.reads), tuple(len(t) for t in new), offsets=prompts.lengths)
         return new, records
 
-    def _install(self, call: str, plan: Plan, reads: list[Address], width: int = 0) -> None:
+    def _install(self, call: str, plan: Plan, reads: list[Address], width: int = 0,
+                 lens: tuple[Address, ...] = ()) -> None:
         spec = Spec(tuple(dataclasses.replace(op, point=address)
                           for address, group in plan.ops.items() for op in group))
         key = spec.fingerprint()
@@ -205,7 +215,8 @@ class VllmRuntime(TokenizerRuntime):
         self._tables[key] = compiled  # most recent last; serialising large Patch sources once is worth it
         while len(self._tables) > 32:
             self._tables.pop(next(iter(self._tables)))
-        self._rpc("ie_install", {"call": call, "spec": compiled, "reads": [str(a) for a in reads], "width": width})
+        self._rpc("ie_install", {"call": call, "spec": compiled, "reads": [str(a) for a in reads], "width": width,
+                                 "lens": [str(a) for a in lens]})
 
     def worker_status(self) -> list[dict]:
         return self._rpc("ie_status") if self.llm is not None and self.backend == "vllm" else []
@@ -218,7 +229,7 @@ def resource_tracker_pid() -> int | None:
 
 
 def assemble(blob: bytes, reads: list[Address], lengths: tuple[int, ...],
-             offsets: tuple[int, ...] | None = None) -> dict[Address, Tensor]:
+             offsets: tuple[int, ...] | None = None, prefix: str = "") -> dict[Address, Tensor]:
     """Rows keyed by (prompt, position) -> right-padded [n_prompts, width, ...] tensors, zeros past each end.
 
     With `offsets`, row `offsets[i] + j` of prompt i lands at column j (generated positions)."""
@@ -228,7 +239,7 @@ def assemble(blob: bytes, reads: list[Address], lengths: tuple[int, ...],
     width = max(max(lengths), 1)
     out = {}
     for address in reads:
-        key = str(address)
+        key = prefix + str(address)
         if f"{key}|value" not in flat:
             raise BackendError(f"internal: the workers recorded nothing at {address}")
         prompt, pos, value = flat[f"{key}|prompt"], flat[f"{key}|pos"], flat[f"{key}|value"]
@@ -238,5 +249,6 @@ def assemble(blob: bytes, reads: list[Address], lengths: tuple[int, ...],
         full = torch.zeros((len(lengths), width, *value.shape[1:]), dtype=value.dtype)
         full[prompt[keep], pos[keep]] = value[keep]
         # Pattern rows arrive as [q, heads, k]; the point's axes are batch n_heads q_pos k_pos.
-        out[address] = full.permute(0, 2, 1, 3).contiguous() if address.info.pos_axis == 2 else full
+        patterns = address.info.pos_axis == 2 and not prefix
+        out[address] = full.permute(0, 2, 1, 3).contiguous() if patterns else full
     return out

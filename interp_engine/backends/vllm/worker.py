@@ -28,7 +28,8 @@ class WorkerCall:
     ops: dict[Address, tuple]
     reads: frozenset[Address]
     width: int = 0  # longest prompt: attention-pattern rows are padded to it
-    records: dict[Address, list[tuple[Tensor, Tensor, Tensor]]] = field(default_factory=dict)
+    lens: frozenset[Address] = frozenset()  # points read through the final norm and unembedding, here
+    records: dict[Address | str, list[tuple[Tensor, Tensor, Tensor]]] = field(default_factory=dict)
     keys: dict[tuple[int, int], list[tuple[Tensor, Tensor]]] = field(default_factory=dict)  # (prompt, layer)
 
     @classmethod
@@ -37,10 +38,10 @@ class WorkerCall:
         for op in Spec.from_dict(table["spec"]).ops:
             ops.setdefault(op.point, []).append(op)
         return cls({a: tuple(o) for a, o in ops.items()}, frozenset(Address.parse(r) for r in table["reads"]),
-                   int(table.get("width", 0)))
+                   int(table.get("width", 0)), frozenset(Address.parse(r) for r in table.get("lens", ())))
 
     def wants(self, address: Address) -> bool:
-        return address in self.ops or address in self.reads
+        return address in self.ops or address in self.reads or address in self.lens
 
 
 @dataclass
@@ -67,6 +68,7 @@ class InterpExtension:
             return b""
         out: dict[str, Tensor] = {}
         for address, chunks in call.records.items():
+            address = address if isinstance(address, str) else str(address)
             out[f"{address}|prompt"] = torch.cat([c[0] for c in chunks]).cpu()
             out[f"{address}|pos"] = torch.cat([c[1] for c in chunks]).cpu()
             out[f"{address}|value"] = torch.cat([c[2] for c in chunks]).cpu().contiguous()
@@ -145,6 +147,10 @@ class StepState:
     def __init__(self, runner, calls: dict[str, WorkerCall]):
         self.runner, self.calls = runner, calls
         self.shards = Shards(runner.model_config.hf_config)
+        model = runner.get_model()
+        norm = model.get_submodule(_layout(runner).final_norm)
+        # Every rank runs this (compute_logits gathers the vocab-parallel shards, a collective).
+        self.lens = lambda x: torch.log_softmax(model.compute_logits(norm(x)).float(), dim=-1)
         self.active: list[Active] = []
         self.stash: dict[int, Tensor] = {}
 
@@ -186,10 +192,13 @@ class StepState:
             edited = mine
             for op in call.ops.get(address, ()):
                 edited = apply(op, edited, address.info, active.step)
+            step = active.step
             if address in call.reads:
-                step = active.step
                 call.records.setdefault(address, []).append(
                     (step.prompt_index[0].cpu(), step.abs_pos[0].cpu(), edited[0].detach().cpu().clone()))
+            if address in call.lens:
+                call.records.setdefault(f"lens:{address}", []).append(
+                    (step.prompt_index[0].cpu(), step.abs_pos[0].cpu(), self.lens(edited[0]).cpu()))
             if edited is not mine:
                 x = x.index_copy(0, active.rows, edited[0].to(x.dtype))
         return x
@@ -200,7 +209,7 @@ def install(runner, calls: dict[str, WorkerCall]) -> list:
     layout = _layout(runner)
     model = runner.get_model()
     state = StepState(runner, calls)
-    needed = set().union(*(c.ops.keys() | c.reads for c in calls.values()))
+    needed = set().union(*(c.ops.keys() | c.reads | c.lens for c in calls.values()))
     handles = []
     for i, layer in enumerate(model.get_submodule(layout.layers)):
         handles += _layer_hooks(layer, i, layout, state, needed)
