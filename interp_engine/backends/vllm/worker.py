@@ -368,9 +368,10 @@ def record_patterns(state: StepState, layer: int, q: Tensor, k: Tensor, attentio
             continue
         q_rows = q.index_select(0, active.rows).float()
         k_rows = k.index_select(0, active.rows).float()
-        prompts, positions = active.step.prompt_index[0], active.step.abs_pos[0]
+        prompts, positions, lengths = active.step.prompt_index[0], active.step.abs_pos[0], active.step.lengths[0]
         for prompt in prompts.unique().tolist():
             mine = prompts == prompt
+            length = int(lengths[mine][0])
             stash = call.keys.setdefault((prompt, layer), [])
             stash.append((positions[mine], k_rows[mine]))
             key_pos = torch.cat([p for p, _ in stash])
@@ -387,6 +388,8 @@ def record_patterns(state: StepState, layer: int, q: Tensor, k: Tensor, attentio
                 if address not in call.reads:
                     continue
                 row = torch.zeros((len(q_pos), n_heads, call.width), dtype=q.dtype, device=q.device)
+                if address is scores_at:  # keys of later chunks, not seen yet, are future keys: masked
+                    row[:, :, :length] = float("-inf")
                 row[:, :, key_pos] = values.to(q.dtype)
                 call.records.setdefault(address, []).append(
                     (torch.full((len(q_pos),), prompt).cpu(), q_pos.cpu(), row.cpu()))

