@@ -10,7 +10,7 @@ rows only, through the same `edits.apply` the eager backend uses.
 from dataclasses import dataclass, field
 
 import torch
-from safetensors.torch import save
+from safetensors.torch import save, save_file
 from torch import Tensor
 
 from interp_engine.addresses import Address
@@ -49,6 +49,7 @@ class Active:
     call: WorkerCall
     rows: Tensor  # indices into this step's flattened rows
     step: Step  # [1, n] view of those rows
+    whole: bool = False  # rows are 0..n-1 of the step, in order: use the tensor as it is
 
 
 class InterpExtension:
@@ -60,18 +61,23 @@ class InterpExtension:
         self._ie_rehook()
         return True
 
-    def ie_collect(self, call_id: str) -> bytes:
-        """Results of a call (rank 0 only; other ranks return empty bytes) and its removal."""
+    def ie_collect(self, call_id: str, path: str = "") -> bytes | str:
+        """A call's results, and its removal. Rank 0 answers; other ranks return empty bytes. With `path` (a
+        file the driver can read, normally in /dev/shm), the results go there and the path comes back: far
+        cheaper than pushing hundreds of MB through the RPC channel."""
         call = self._ie_calls().pop(call_id, None)
         self._ie_rehook()
         if call is None or self._ie_rank() != 0:
             return b""
+        join = lambda parts: parts[0] if len(parts) == 1 else torch.cat(parts)  # noqa: E731
         out: dict[str, Tensor] = {}
         for address, chunks in call.records.items():
-            address = address if isinstance(address, str) else str(address)
-            out[f"{address}|prompt"] = torch.cat([c[0] for c in chunks]).cpu()
-            out[f"{address}|pos"] = torch.cat([c[1] for c in chunks]).cpu()
-            out[f"{address}|value"] = torch.cat([c[2] for c in chunks]).cpu().contiguous()
+            out[f"{address}|prompt"] = torch.cat([c[0] for c in chunks])  # small; shared by every address
+            out[f"{address}|pos"] = torch.cat([c[1] for c in chunks])
+            out[f"{address}|value"] = join([c[2] for c in chunks]).contiguous()
+        if path:
+            save_file(out, path)
+            return path
         return save(out) if out else b""
 
     def ie_release(self, call_id: str) -> bool:
@@ -179,7 +185,8 @@ class StepState:
             # "last" is the last prompt token while prefilling, the newest token while generating.
             last = torch.where(pos < length, length - 1, pos)
             step = Step(pos[None], last[None], length[None], torch.cat(prompts).to(device)[None])
-            self.active.append(Active(self.calls[call_id], rows, step))
+            whole = len(rows) == len(positions) and bool((rows == torch.arange(len(rows), device=device)).all())
+            self.active.append(Active(self.calls[call_id], rows, step, whole))
 
     def touch(self, address: Address, x: Tensor) -> Tensor:
         """x is [rows, ...]: apply each call's ops on its rows and record its reads. Out of place; returns x
@@ -188,19 +195,23 @@ class StepState:
             call = active.call
             if not call.wants(address):
                 continue
-            mine = x.index_select(0, active.rows)[None]
+            whole = active.rows.numel() == x.shape[0] and bool(active.whole)
+            mine = x[None] if whole else x.index_select(0, active.rows)[None]
             edited = mine
             for op in call.ops.get(address, ()):
                 edited = apply(op, edited, address.info, active.step)
             step = active.step
             if address in call.reads:
+                # One copy per read: index_select already made one, unless these rows are the whole step.
+                kept = edited[0].detach()
+                kept = kept.clone() if edited is mine and whole else kept
                 call.records.setdefault(address, []).append(
-                    (step.prompt_index[0].cpu(), step.abs_pos[0].cpu(), edited[0].detach().cpu().clone()))
+                    (step.prompt_index[0].cpu(), step.abs_pos[0].cpu(), kept.cpu()))
             if address in call.lens:
                 call.records.setdefault(f"lens:{address}", []).append(
                     (step.prompt_index[0].cpu(), step.abs_pos[0].cpu(), self.lens(edited[0]).cpu()))
             if edited is not mine:
-                x = x.index_copy(0, active.rows, edited[0].to(x.dtype))
+                x = edited[0].to(x.dtype) if whole else x.index_copy(0, active.rows, edited[0].to(x.dtype))
         return x
 
 
