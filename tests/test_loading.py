@@ -1,5 +1,5 @@
 """load_model: lazy construction, a frozen handle, dims from the config, points, tokens, the lifecycle, offline
-resolution of repo ids, backend selection and keyword passthrough."""
+resolution of repo ids and keyword passthrough on eager (backend selection and vLLM keywords: test_selection.py)."""
 
 import asyncio
 import dataclasses
@@ -11,13 +11,12 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from interp_engine import Address, BackendFallbackWarning, capture, load_model, select_backend, vllm_installed
+from interp_engine import Address, capture, load_model
 from interp_engine.addresses import POINTS
-from interp_engine.errors import SpecError
+from interp_engine.errors import LoadError, SpecError
 from interp_engine.tiny import build_tiny_model
 from tests.conftest import PROMPTS
 
-NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is visible, so the default device is not cpu")
 
 
 def _resid(model, text: str = PROMPTS[1], layer: int = -1) -> torch.Tensor:
@@ -210,33 +209,6 @@ def test_repo_id_resolves_from_the_local_hf_cache_offline(hub_cache, tiny_path, 
     torch.testing.assert_close(out, _resid(eager("llama")))
 
 
-# ------------------------------------------------------------------------------------- backend selection
-
-@NO_CUDA
-def test_auto_falls_back_to_eager_and_warns_why(tiny_path):
-    with pytest.warns(BackendFallbackWarning) as record:
-        model = load_model(str(tiny_path("llama")))
-    assert model.backend == "eager" and model.device == "cpu"
-    message = str(record[0].message)
-    assert "eager on cpu because" in message and "vLLM" in message
-
-
-@NO_CUDA
-@pytest.mark.parametrize("vllm_available, why", [
-    pytest.param(vllm_installed(), "vLLM", id="this-install"),
-    pytest.param(False, "vLLM is not installed", id="without-vllm"),
-    pytest.param(True, "vLLM needs CUDA and the device is cpu", id="vllm-without-cuda"),
-])
-def test_select_backend_answers_before_loading(tiny_path, vllm_available, why):
-    selection = select_backend(str(tiny_path("llama")), requested_device=None, requested_dtype="auto",
-                               force_backend=None, vllm_available=vllm_available)
-    assert selection.backend == "eager"
-    assert selection.use_vllm is False
-    assert selection.device == "cpu"
-    assert selection.dtype == torch.float32  # the tiny checkpoints are fp32
-    assert why in selection.reason
-
-
 # ----------------------------------------------------------------------------------- keyword passthrough
 
 def test_unknown_keywords_go_verbatim_to_from_pretrained(tiny_path):
@@ -246,3 +218,12 @@ def test_unknown_keywords_go_verbatim_to_from_pretrained(tiny_path):
     # from_pretrained turns leftover keywords into config overrides: seeing it there proves HF received it.
     assert model.runtime.model.config.rms_norm_eps == 1e-3
     assert _resid(model).shape[-1] == model.d_model
+
+
+@pytest.mark.parametrize("text", ["{not json", '{"model_type": "llama", "hidden_size": "big"}'])
+def test_an_unreadable_config_json_is_refused_before_loading(tmp_path, text):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(LoadError) as caught:
+        load_model(str(tmp_path), backend="eager")
+    assert "config.json of" in str(caught.value) and "cannot be read" in str(caught.value)
+    assert "Fix: make config.json readable and valid JSON" in str(caught.value)

@@ -173,19 +173,39 @@ def test_bnb_schemes_price_linear_layers_and_keep_embeddings_at_model_dtype():
     linear = 32 * 218_103_808  # 8B: every block's q, k, v, o, gate, up, down weights: 6,979,321,856 params
     rows = 32 * (4096 + 1024 + 1024 + 4096 + 14336 + 14336 + 4096)  # output rows, 1,376,256
     rest = (2 * 525_336_576 + 32 * 8192 + 4096) * 2  # embeddings, lm_head, norms at bf16
+    # NF4 with double quant: 0.5 byte + an 8-bit absmax per 64 params (109,051,904) + an fp32 one per 64 x 256
+    # params (425,984 of them)
+    nf4 = linear // 2 + linear // 64 + 4 * (linear // 16_384)
+    assert linear // 64 == 109_051_904 and linear // 16_384 == 425_984
     four = estimate_from_config(LLAMA_8B, backend="eager", quantization="bnb-4bit")
-    assert four.weight_bytes == linear // 2 + linear // 64 * 4 + rest  # 0.5 byte + one fp32 absmax per 64
+    assert four.weight_bytes == nf4 + rest
+    assert estimate_from_config(LLAMA_8B, backend="vllm", quantization="bnb-4bit").weight_bytes == nf4 + rest
     eight = estimate_from_config(LLAMA_8B, backend="eager", quantization="bnb-8bit")
     assert eight.weight_bytes == linear + rows * 4 + rest  # 1 byte + one fp32 scale per row
 
 
-def test_kv_bytes_per_token_follows_the_kv_dtype_and_the_backend():
+def test_kv_bytes_per_token_follows_the_kv_dtype_and_the_model_dtype():
     assert kv_bytes_per_token(LLAMA_8B, None) == kv_bytes_per_token(LLAMA_8B, "auto") == 2 * 32 * 8 * 128 * 2
     assert kv_bytes_per_token(LLAMA_8B, "fp8") == 2 * 32 * 8 * 128
     fp32 = {**LLAMA_8B, "torch_dtype": "float32"}
-    assert kv_bytes_per_token(fp32, "auto") == 2 * 32 * 8 * 128 * 2  # vLLM serves fp32 checkpoints in 16 bits
-    assert kv_bytes_per_token(fp32, "auto", backend="eager") == 2 * 32 * 8 * 128 * 4
+    # load_model hands vLLM the checkpoint's dtype explicitly, so an fp32 checkpoint's cache is fp32 on every backend
+    assert kv_bytes_per_token(fp32, "auto") == 2 * 32 * 8 * 128 * 4
+    assert kv_bytes_per_token(fp32, "auto", dtype="bfloat16") == 2 * 32 * 8 * 128 * 2
     assert kv_bytes_per_token(LLAMA_8B, "auto", dtype="float32") == 2 * 32 * 8 * 128 * 4
+
+
+def test_a_checkpoint_that_ships_quantized_is_priced_as_shipped():
+    fp8 = {**LLAMA_8B, "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic"}}
+    shipped = estimate_from_config(fp8, repo_id="org/llama-8b-fp8")
+    assert shipped.weight_bytes == estimate_from_config(LLAMA_8B, quantization="fp8").weight_bytes
+    assert "quantization" not in shipped.snippet and any("ships quantized (fp8)" in n for n in shipped.notes)
+    with pytest.raises(SpecError, match="already ships quantized") as caught:
+        estimate_from_config(fp8, repo_id="org/llama-8b-fp8", quantization="fp8")
+    assert "Fix: drop quantization=" in str(caught.value)
+    awq = {**LLAMA_8B, "quantization_config": {"quant_method": "awq", "bits": 4}}
+    upper = estimate_from_config(awq, repo_id="org/llama-8b-awq")
+    assert upper.weight_bytes == estimate_from_config(LLAMA_8B).weight_bytes
+    assert any("ships quantized (awq)" in n and "upper bound" in n for n in upper.notes)
 
 
 def test_static_points_price_one_step_of_rows_per_point():
@@ -288,7 +308,7 @@ def test_cli_bad_input_exits_2_with_the_fix(tmp_path, capsys):
 @pytest.mark.parametrize(("knobs", "error", "words"), [
     ({"quantization": "fp4"}, SpecError, ["'fp8'", "Schemes"]),
     ({"quantization": "fp8", "backend": "eager"}, BackendError, ["vLLM backend", "FP8"]),
-    ({"quantization": "bnb-4bit", "backend": "vllm"}, BackendError, ["eager"]),
+    ({"quantization": "bnb-4bit", "backend": "vllm", "dtype": "float32"}, SpecError, ["16 bits", "bfloat16"]),
     ({"quantization": "bnb-8bit", "backend": "vllm-static"}, BackendError, ["eager"]),
     ({"kv_cache_dtype": "fp9"}, SpecError, ["'fp8'", "KV cache dtypes"]),
     ({"kv_cache_dtype": "fp8", "backend": "eager"}, BackendError, ["vLLM setting"]),
