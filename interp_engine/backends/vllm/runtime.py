@@ -7,6 +7,7 @@ table in `finally`, so nothing outlives the call even when it fails.
 import dataclasses
 import gc
 import os
+import socket
 import tempfile
 import threading
 import uuid
@@ -214,7 +215,7 @@ class VllmRuntime(TokenizerRuntime):
         folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         path = os.path.join(folder, f"interp_engine-{os.getpid()}-{call}.safetensors")
         try:
-            answer = self._rpc("ie_collect", call, path)[0]
+            answer = self._rpc("ie_collect", call, path, socket.gethostname())[0]
             if isinstance(answer, str) and answer:
                 return load_file(answer)
             return load(answer) if answer else {}

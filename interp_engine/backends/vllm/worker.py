@@ -61,10 +61,15 @@ class InterpExtension:
         self._ie_rehook()
         return True
 
-    def ie_collect(self, call_id: str, path: str = "") -> bytes | str:
+    def ie_collect(self, call_id: str, path: str = "", host: str = "") -> bytes | str:
         """A call's results, and its removal. Rank 0 answers; other ranks return empty bytes. With `path` (a
-        file the driver can read, normally in /dev/shm), the results go there and the path comes back: far
-        cheaper than pushing hundreds of MB through the RPC channel."""
+        file the driver can read, normally in /dev/shm) and the driver on this host, the results go there and
+        the path comes back: far cheaper than pushing hundreds of MB through the RPC channel. A worker on
+        another node (Ray, multi-node) answers with bytes."""
+        import socket
+
+        if host and host != socket.gethostname():
+            path = ""
         call = self._ie_calls().pop(call_id, None)
         self._ie_rehook()
         if call is None or self._ie_rank() != 0:
