@@ -16,7 +16,7 @@ pytestmark = requires("vllm")
 RTOL, ATOL = 1e-4, 1e-5
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "gemma2"])
 def served(request, tiny_path):
     """A live vLLM handle per family; shut down at the end, after which no child process may remain."""
     before = {p.pid for p in psutil.Process().children(recursive=True)}

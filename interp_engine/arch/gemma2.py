@@ -1,7 +1,7 @@
 """Gemma-2: extra norms after attention and MLP, so attn_out/mlp_out are those norms' outputs (what the
 residual stream receives); attention logits are softcapped inside attention, final logits after the head."""
 
-from interp_engine.arch import Arch
+from interp_engine.arch import Arch, VllmLayout
 
 ARCHES = (
     Arch(
@@ -14,5 +14,14 @@ ARCHES = (
         attn_out="post_attention_layernorm",
         mlp_out="post_feedforward_layernorm",
         mlp_down="mlp.down_proj",
+        vllm=VllmLayout(
+            layers="model.layers",
+            final_norm="model.norm",
+            attention="self_attn.attn",
+            o_proj="self_attn.o_proj",
+            attn_out="post_attention_layernorm",
+            mlp_out="post_feedforward_layernorm",
+            mlp_down="mlp.down_proj",
+        ),
     ),
 )
