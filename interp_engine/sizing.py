@@ -209,7 +209,7 @@ class SizeEstimate:
         points = f"{len(self.static_points)} points x {tokens_per_step(self.gpu):,} tokens/step" \
             if self.static_points else "no static points"
         return "\n".join([
-            f"{self.repo_id}: {self.model_type}, {self.params / 1e9:.2f} B parameters, on {self.num_gpus} x {self.gpu}",
+            f"{self.repo_id}: {self.model_type}, {_human(self.params)} parameters, on {self.num_gpus} x {self.gpu}",
             f"  backend={self.backend} dtype={self.dtype} quantization={self.quantization} "
             f"kv_cache_dtype={self.kv_cache_dtype or 'auto'}",
             f"  weights   {gib(self.weight_bytes)} in all, {gib(self.weight_bytes_per_gpu)} per GPU",
@@ -354,3 +354,10 @@ def _static_points(points: Any, backend: str, n_layers: int) -> tuple[Address, .
         raise SpecError(fix(f"static_points={points!r} is neither a list of points nor \"auto\".",
                             'write static_points=["resid_post.10"] or static_points="auto".'))
     return tuple(Address.parse(p).resolve(n_layers) for p in points)
+
+
+def _human(n: int) -> str:
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return str(n)
