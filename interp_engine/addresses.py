@@ -128,7 +128,3 @@ class Address:
 
     def __repr__(self) -> str:
         return f"Address({self.point!r})" if self.layer is None else f"Address({self.point!r}, {self.layer})"
-
-
-def as_address(value: "str | Address") -> Address:
-    return Address.parse(value)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from interp_engine.arch import arch_for, supported_model_types
+from interp_engine.arch import arch_for, vllm_model_types
 from interp_engine.errors import BackendError, InputTypeError, LoadError, SpecError, fix
 
 BACKENDS = ("auto", "vllm", "vllm-static", "vllm-generate", "eager")
@@ -129,9 +129,8 @@ def vllm_support(config, source: str) -> str | None:
     `architectures`, and interp_engine knows where the points live in it (a `VllmLayout` for the family)."""
     arch = arch_for(config, name=source)
     if arch.vllm is None:
-        served = [t for t in supported_model_types() if arch_for_type(t).vllm is not None]
         return (f"interp_engine has no vLLM layout for {config.model_type!r} models yet "
-                f"(its vLLM backends serve {', '.join(served)})")
+                f"(its vLLM backends serve {', '.join(vllm_model_types())})")
     architectures = list(getattr(config, "architectures", None) or [])
     if not architectures:
         return "config.json names no architectures, so vLLM's model registry cannot be asked"
@@ -155,12 +154,6 @@ def _first_reason(error: ValueError) -> str:
     lines = [line.strip().removeprefix("Value error, ") for line in str(error).splitlines() if line.strip()]
     line = next((x for x in lines if "architecture" in x.lower()), lines[-1] if lines else "unknown")
     return line.split(" Supported architectures")[0][:300].rstrip(".")
-
-
-def arch_for_type(model_type: str):
-    from types import SimpleNamespace
-
-    return arch_for(SimpleNamespace(model_type=model_type))
 
 
 def _device(requested: str | None, hardware: Hardware) -> str:

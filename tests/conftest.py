@@ -2,6 +2,7 @@
 
 import warnings
 
+import huggingface_hub.constants
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -57,6 +58,20 @@ def hf_reference(tiny_path):
         return refs[family]
 
     return get
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch):
+    """An empty HF cache of our own, offline, so the real cache is never consulted; returns its folder."""
+    hub = tmp_path / "hf_home" / "hub"
+    hub.mkdir(parents=True)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # huggingface_hub reads the environment once, at import: patch what it read as well.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    return hub
 
 
 @pytest.fixture(params=FAMILIES)

@@ -6,7 +6,6 @@ import json
 import pickle
 from pathlib import Path
 
-import huggingface_hub.constants
 import pytest
 import torch
 
@@ -296,21 +295,8 @@ def test_requires_grad_must_be_a_bool(eager, tiny_path):
                         str(tiny_path("llama")), backend="eager", requires_grad="yes")
 
 
-@pytest.fixture
-def empty_hub(tmp_path, monkeypatch):
-    """An empty HF cache, offline, so the real cache is never consulted."""
-    hub = tmp_path / "hf_home" / "hub"
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
-    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    # huggingface_hub reads the environment once, at import: patch what it read as well.
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub))
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    return hub
-
-
 @pytest.mark.parametrize("repo", ["tiny-org/not-cached", "./no/such/folder"])
-def test_missing_folder_or_uncached_repo_says_no_download(eager, empty_hub, repo):
+def test_missing_folder_or_uncached_repo_says_no_download(eager, offline_hub, repo):
     assert_load_refused(eager, LoadError, (f"{repo!r} is neither a local folder nor in the local HF cache",
                                            "never downloads", "pass a local folder path"), repo, backend="eager")
 

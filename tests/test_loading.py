@@ -6,7 +6,6 @@ import dataclasses
 import hashlib
 import shutil
 
-import huggingface_hub.constants
 import pytest
 import torch
 from transformers import AutoConfig
@@ -180,23 +179,9 @@ def test_to_tokens_refuses_a_ragged_list_and_names_the_fix(eager):
 
 # ---------------------------------------------------------------------------------------- repo ids offline
 
-@pytest.fixture
-def hub_cache(tmp_path, monkeypatch):
-    """An offline HF cache of our own, so the real one is never consulted."""
-    hub = tmp_path / "hf_home" / "hub"
-    hub.mkdir(parents=True)
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
-    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    # huggingface_hub reads the environment once, at import: patch what it read as well.
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub))
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    return hub
-
-
-def test_repo_id_resolves_from_the_local_hf_cache_offline(hub_cache, tiny_path, eager):
+def test_repo_id_resolves_from_the_local_hf_cache_offline(offline_hub, tiny_path, eager):
     commit = hashlib.sha1(b"tiny-org/tiny-llama").hexdigest()
-    repo = hub_cache / "models--tiny-org--tiny-llama"
+    repo = offline_hub / "models--tiny-org--tiny-llama"
     shutil.copytree(tiny_path("llama"), repo / "snapshots" / commit)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(commit)

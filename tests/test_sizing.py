@@ -6,7 +6,6 @@ import inspect
 import json
 import socket
 
-import huggingface_hub.constants
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -363,8 +362,7 @@ def test_an_uncovered_architecture_is_refused(tmp_path):
         estimate(_write(tmp_path, {"model_type": "mamba", "hidden_size": 8}))
 
 
-def test_a_repo_id_neither_local_nor_cached_is_refused_without_download(tmp_path, monkeypatch):
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+def test_a_repo_id_neither_local_nor_cached_is_refused_without_download(tmp_path, monkeypatch, offline_hub):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(LoadError) as caught:
         estimate("meta-llama/Llama-3.1-8B")
@@ -374,14 +372,13 @@ def test_a_repo_id_neither_local_nor_cached_is_refused_without_download(tmp_path
         estimate("./not/a/folder/config.json")
 
 
-def test_a_repo_id_in_the_local_cache_is_read_from_there(tmp_path, monkeypatch):
-    hub = tmp_path / "hub"
+def test_a_repo_id_in_the_local_cache_is_read_from_there(tmp_path, monkeypatch, offline_hub):
+    hub = offline_hub
     snapshot = hub / "models--meta-llama--Llama-3.1-8B" / "snapshots" / ("a" * 40)
     snapshot.mkdir(parents=True)
     (snapshot / "config.json").write_text(json.dumps(LLAMA_8B))
     (hub / "models--meta-llama--Llama-3.1-8B" / "refs").mkdir()
     (hub / "models--meta-llama--Llama-3.1-8B" / "refs" / "main").write_text("a" * 40)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub))
     monkeypatch.chdir(tmp_path)
     result = estimate("meta-llama/Llama-3.1-8B", max_model_len=8192)
     assert result.params == 8_030_261_248

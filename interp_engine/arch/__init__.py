@@ -81,6 +81,11 @@ def supported_model_types() -> tuple[str, ...]:
     return tuple(sorted(_registry()))
 
 
+def vllm_model_types() -> tuple[str, ...]:
+    """The model types whose family has a vLLM layout."""
+    return tuple(sorted(t for t, arch in _registry().items() if arch.vllm is not None))
+
+
 def arch_for(config, *, name: str = "this model") -> Arch:
     model_type = getattr(config, "model_type", None)
     arch = _registry().get(model_type)

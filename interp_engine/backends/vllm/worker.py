@@ -50,6 +50,8 @@ class Active:
     rows: Tensor  # indices into this step's flattened rows
     step: Step  # [1, n] view of those rows
     whole: bool = False  # rows are 0..n-1 of the step, in order: use the tensor as it is
+    prompts_cpu: Tensor | None = None  # the step's (prompt, position) of each row, copied to the host once
+    positions_cpu: Tensor | None = None
 
 
 class InterpExtension:
@@ -191,7 +193,8 @@ class StepState:
             last = torch.where(pos < length, length - 1, pos)
             step = Step(pos[None], last[None], length[None], torch.cat(prompts).to(device)[None])
             whole = len(rows) == len(positions) and bool((rows == torch.arange(len(rows), device=device)).all())
-            self.active.append(Active(self.calls[call_id], rows, step, whole))
+            self.active.append(Active(self.calls[call_id], rows, step, whole, step.prompt_index[0].cpu(),
+                                      pos.cpu()))
 
     def touch(self, address: Address, x: Tensor) -> Tensor:
         """x is [rows, ...]: apply each call's ops on its rows and record its reads. Out of place; returns x
@@ -200,21 +203,19 @@ class StepState:
             call = active.call
             if not call.wants(address):
                 continue
-            whole = active.rows.numel() == x.shape[0] and bool(active.whole)
+            whole = active.whole
             mine = x[None] if whole else x.index_select(0, active.rows)[None]
             edited = mine
             for op in call.ops.get(address, ()):
                 edited = apply(op, edited, address.info, active.step)
-            step = active.step
+            where = (active.prompts_cpu, active.positions_cpu)
             if address in call.reads:
                 # One copy per read: index_select already made one, unless these rows are the whole step.
                 kept = edited[0].detach()
                 kept = kept.clone() if edited is mine and whole else kept
-                call.records.setdefault(address, []).append(
-                    (step.prompt_index[0].cpu(), step.abs_pos[0].cpu(), kept.cpu()))
+                call.records.setdefault(address, []).append((*where, kept.cpu()))
             if address in call.lens:
-                call.records.setdefault(f"lens:{address}", []).append(
-                    (step.prompt_index[0].cpu(), step.abs_pos[0].cpu(), self.lens(edited[0]).cpu()))
+                call.records.setdefault(f"lens:{address}", []).append((*where, self.lens(edited[0]).cpu()))
             if edited is not mine:
                 x = edited[0].to(x.dtype) if whole else x.index_copy(0, active.rows, edited[0].to(x.dtype))
         return x
