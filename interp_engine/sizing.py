@@ -46,6 +46,7 @@ from interp_engine.quantization import (KV_CACHE_DTYPES, check_kv_cache_dtype, c
 from interp_engine.selection import VLLM_BACKENDS, Hardware, check_backend, checkpoint_dtype, resolve_dtype
 from interp_engine.sizing_tables import (GPUS_MIB, LAYOUTS, OVERHEAD_BYTES, SCHEMES, GiB, Layout, Linear, Norm,
                                          Scheme, tokens_per_step)
+from interp_engine.taps import declare
 
 __all__ = ["GPUS_MIB", "KV_CACHE_DTYPES", "LAYOUTS", "OVERHEAD_BYTES", "SCHEMES", "GiB", "Layout", "Linear", "Norm",
            "Scheme", "ParamCount", "SizeEstimate", "count_params", "estimate", "estimate_from_config",
@@ -343,17 +344,10 @@ def _gpu_name(gpu: Any) -> str:
 
 
 def _static_points(points: Any, backend: str, n_layers: int) -> tuple[Address, ...]:
-    if points is None:
-        return ()
-    if backend != "vllm-static":
+    if points is not None and backend != "vllm-static":
         raise BackendError(fix(f"static_points= declares the taps of vllm-static; backend={backend!r} has none.",
                                'use backend="vllm-static", or drop static_points=.'))
-    if points == "auto":
-        return tuple(Address("resid_post", layer) for layer in range(n_layers))
-    if isinstance(points, str | Address) or not hasattr(points, "__iter__"):
-        raise SpecError(fix(f"static_points={points!r} is neither a list of points nor \"auto\".",
-                            'write static_points=["resid_post.10"] or static_points="auto".'))
-    return tuple(Address.parse(p).resolve(n_layers) for p in points)
+    return declare(points, n_layers, keyword="static_points")
 
 
 def _human(n: int) -> str:
