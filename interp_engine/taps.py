@@ -10,6 +10,7 @@ from typing import Any
 from interp_engine.addresses import Address
 from interp_engine.errors import BackendError, SpecError, fix
 
+PATTERNS = ("attn_scores", "attn_probs")
 # Always tapped: steer() and generate() read logits, which vLLM computes only at sampled rows, so every
 # engine keeps the final norm's output and the unembedding runs on it after the step.
 ALWAYS = (Address("final"), Address("logits"))
@@ -42,6 +43,13 @@ class Taps:
             raise SpecError(fix(f"static_writes={eager_only}: these points can be written only on the eager backend.",
                                 "drop them from static_writes; edit them with backend=\"eager\"."))
         return cls(tuple(a for a in reads if a not in ALWAYS), writes)
+
+    def buffers(self) -> tuple[Address, ...]:
+        """The points that get a read buffer: the declared reads, the final norm's output (logits come from
+        it), and for an attention pattern its layer's q and k (the pattern is recomputed from them)."""
+        out = {a for a in self.reads if a.point not in PATTERNS and a not in ALWAYS} | {ALWAYS[0]}
+        out |= {Address(p, a.layer) for a in self.reads if a.point in PATTERNS for p in ("q", "k")}
+        return tuple(sorted(out))
 
     def readable(self) -> tuple[Address, ...]:
         return (*self.reads, *ALWAYS)

@@ -27,10 +27,9 @@ from interp_engine.addresses import Address
 from interp_engine.backends.vllm.worker import (EMBED, FINAL, LOGITS, InterpExtension, StepState, WorkerCall,
                                                 _layer_args, _layout, _with_layer_args, record_patterns)
 from interp_engine.edits import affine
-from interp_engine.taps import Taps
+from interp_engine.taps import PATTERNS, Taps
 
 CONFIG_KEY = "interp_engine"
-PATTERNS = ("attn_scores", "attn_probs")
 
 
 @functools.cache
@@ -89,11 +88,9 @@ class StaticTaps:
 
         rows, dtype = runner.max_num_tokens, runner.model_config.dtype
         device = next(self.model.parameters()).device
-        tapped = {a for a in taps.reads if a.point not in PATTERNS and a != LOGITS} | {FINAL}
-        tapped |= {Address(p, a.layer) for a in taps.reads if a.point in PATTERNS for p in ("q", "k")}
         make = lambda a, fill: torch.full((rows, width.get(a.point, d_model)), fill, dtype=dtype, device=device)  # noqa: E731
         # Sorted: every rank walks them in the same order, so the gathers after a step pair up.
-        self.reads = {a: make(a, 0.0) for a in sorted(tapped)}
+        self.reads = {a: make(a, 0.0) for a in taps.buffers()}
         self.writes = {a: (make(a, 1.0), make(a, 0.0)) for a in sorted(taps.writes)}
         bodies = {a: _tap(self.reads.get(a), *self.writes.get(a, (None, None))) for a in self.reads.keys() | self.writes}
         self.handles = []
