@@ -149,3 +149,32 @@ def test_attention_pattern_writes(eager):
 def test_every_point_is_in_the_table():
     assert set(POINTS) == {"embed", "resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "q", "k", "v",
                            "z", "attn_scores", "attn_probs", "mlp_act", "final", "logits"}
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_zeroed_resid_mid_stays_exactly_zero(family, eager):
+    """Bias-free blocks map a zero stream to zero: after zeroing resid_mid at the last layer the MLP reads
+    norm(0) = 0 and the logits are exactly 0 (a residue of rounding would be scaled up ~1000x by the norms).
+    Setting resid_mid to a vector equals a hand-written hook that sets the MLP norm's input and the block's sum."""
+    model = eager(family)
+    zeroed = steer(model, PROMPTS, S.Ablate("resid_mid.-1"))
+    assert zeroed.shape == (3, max(len(model.tokenize(p)) for p in PROMPTS), model.d_vocab)
+    assert torch.equal(zeroed, torch.zeros_like(zeroed))
+    last = model.n_layers - 1
+    value = torch.linspace(-1, 1, model.d_model)
+    tokens = model.to_tokens(PROMPTS[1])
+    layer = model.runtime.model.get_submodule(f"{model.arch.layers}.{last}")
+    mlp_out = {}
+    handles = [layer.get_submodule(model.arch.mid_norm).register_forward_pre_hook(
+                   lambda m, args: (value.expand_as(args[0]), *args[1:])),
+               layer.get_submodule(model.arch.mlp_out).register_forward_hook(
+                   lambda m, a, out: mlp_out.__setitem__("m", out[0] if isinstance(out, tuple) else out)),
+               layer.register_forward_hook(
+                   lambda m, a, out: (value + mlp_out["m"], *out[1:]) if isinstance(out, tuple) else value + mlp_out["m"])]
+    try:
+        with torch.inference_mode():
+            expected = model.runtime.model(input_ids=tokens).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert torch.equal(steer(model, PROMPTS[1], S.Set("resid_mid.-1", value)), expected)

@@ -61,7 +61,9 @@ def test_every_point_equals_eager_on_a_ragged_batch(served, eager):
     lambda d: S.Scale("k.1", 0.25, heads=[0]) + S.Scale("q.2", 2.0),
     lambda d: S.Ablate("mlp_act.0", heads=None) + S.Add("embed", torch.ones(d), positions=[1, -1]),
     lambda d: S.Add("attn_out.1", torch.ones(d)) + S.Ablate("mlp_out.2") + S.Add("resid_pre.1", torch.ones(d)),
-], ids=["add", "set-last", "ablate-heads", "scale-qk", "zero-and-embed", "outs-and-pre"])
+    # A zeroed stream must stay exactly zero through the next norm (RMSNorm scales rounding error up ~1000x).
+    lambda d: S.Ablate("resid_mid.1"),
+], ids=["add", "set-last", "ablate-heads", "scale-qk", "zero-and-embed", "outs-and-pre", "zero-resid-mid"])
 def test_steering_equals_eager(served, eager, make):
     family, model = served
     reference = eager(family)

@@ -88,7 +88,8 @@ def test_every_declared_point_equals_eager_on_a_ragged_batch(static, eager):
     + S.Scale("final", 1.5, positions=[0]),
     lambda d: S.Add("resid_post.0", torch.ones(d)) + S.Scale("resid_post.0", 0.5) + S.Set("resid_post.0", torch.zeros(d),
                                                                                          positions=[2]),
-], ids=["add", "set-last", "heads", "zero-and-embed", "outs-pre-final", "composed"])
+    lambda d: S.Ablate("resid_mid.2") + S.Ablate("resid_pre.1", positions=[0]),
+], ids=["add", "set-last", "heads", "zero-and-embed", "outs-pre-final", "composed", "zero-stream"])
 def test_steering_equals_eager(static, eager, make):
     family, model = static
     spec = make(model.d_model)

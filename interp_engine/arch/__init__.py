@@ -35,6 +35,7 @@ class Arch:
     mlp_out: str  # module whose output is what the MLP adds to the residual stream
     mlp_down: str  # module whose input is mlp_act
     parallel: bool = False  # attention and MLP both read resid_pre (GPT-NeoX, Phi)
+    mid_norm: str | None = None  # sequential blocks: the norm whose input is resid_mid (the MLP's input norm)
     d_mlp_keys: tuple[str, ...] = ("intermediate_size",)
     vllm: VllmLayout | None = None  # None: the vLLM backends do not serve this family yet
 

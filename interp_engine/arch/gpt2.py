@@ -13,6 +13,7 @@ ARCHES = (
         attn_out="attn",
         mlp_out="mlp",
         mlp_down="mlp.c_proj",
+        mid_norm="ln_2",
         d_mlp_keys=("n_inner",),
     ),
 )

@@ -113,14 +113,16 @@ def _layer_hooks(layer: torch.nn.Module, i: int, arch: Arch, run: Run) -> list:
     at = lambda point: Address(point, i)  # noqa: E731
     handles = []
     needs_mid = run.wants(at("resid_mid"))
+    # Parallel blocks have no resid_mid in the forward: it is realised through attn_out (resid_pre + attn_out).
+    mid_via_attn = needs_mid and arch.mid_norm is None
 
-    if run.wants(at("resid_pre")) or needs_mid or (i == 0 and run.wants(EMBED)):
+    if run.wants(at("resid_pre")) or mid_via_attn or (i == 0 and run.wants(EMBED)):
         def layer_in(module, args, kwargs):
             x = args[0] if args else kwargs["hidden_states"]
             if i == 0:
                 x = run.touch(EMBED, x)
             x = run.touch(at("resid_pre"), x)
-            if needs_mid:
+            if mid_via_attn:
                 run.stash[i] = x
             if args:
                 return (x, *args[1:]), kwargs
@@ -132,10 +134,10 @@ def _layer_hooks(layer: torch.nn.Module, i: int, arch: Arch, run: Run) -> list:
         handles.append(layer.get_submodule(arch.attention).register_forward_pre_hook(
             lambda m, args, kwargs: (args, {**kwargs, SITE_KW: site}), with_kwargs=True))
 
-    if run.wants(at("attn_out")) or needs_mid:
+    if run.wants(at("attn_out")) or mid_via_attn:
         def attn_out(module, args, out):
             a = run.touch(at("attn_out"), _first(out))
-            if needs_mid:
+            if mid_via_attn:
                 r = run.stash[i] + a
                 edited = run.touch(at("resid_mid"), r)
                 if edited is not r:  # realised through attn_out: the block adds exactly this to the residual
@@ -152,7 +154,41 @@ def _layer_hooks(layer: torch.nn.Module, i: int, arch: Arch, run: Run) -> list:
         handles.append(layer.get_submodule(arch.mlp_out).register_forward_hook(
             lambda m, a, out: _with_first(out, run.touch(at("mlp_out"), _first(out)))))
 
+    if needs_mid and not mid_via_attn:
+        handles += _mid_hooks(layer, i, arch, run)
+
     if run.wants(at("resid_post")):
         handles.append(layer.register_forward_hook(
             lambda m, a, out: _with_first(out, run.touch(at("resid_post"), _first(out)))))
     return handles
+
+
+def _mid_hooks(layer: torch.nn.Module, i: int, arch: Arch, run: Run) -> list:
+    """resid_mid of a sequential block, read at the input of the MLP's norm. HF adds it to the MLP's output from a
+    local variable no hook reaches, so an edit is carried to the block's output by redoing that one addition
+    with the edited value: exact, where shifting attn_out by (edited - r) would leave rounding that a norm of
+    a zeroed stream scales up a thousandfold."""
+    at = Address("resid_mid", i)
+    edited: dict[str, Tensor] = {}
+
+    def mid_in(module, args):
+        r = args[0]
+        x = run.touch(at, r)
+        edited.clear()
+        if x is r:
+            return None
+        edited["mid"] = x
+        return (x, *args[1:])
+
+    def mlp_out(module, args, out):
+        if edited:
+            edited["mlp"] = _first(out)
+
+    def block_out(module, args, out):
+        if not edited:
+            return None
+        return _with_first(out, edited.pop("mid") + edited.pop("mlp"))
+
+    return [layer.get_submodule(arch.mid_norm).register_forward_pre_hook(mid_in),
+            layer.get_submodule(arch.mlp_out).register_forward_hook(mlp_out),
+            layer.register_forward_hook(block_out)]

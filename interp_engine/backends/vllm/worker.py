@@ -166,7 +166,6 @@ class StepState:
         # norm.forward, not norm(): hooks on the final norm belong to the model's own final, not to a lens read.
         self.lens = lambda x: torch.log_softmax(model.compute_logits(norm.forward(x)).float(), dim=-1)
         self.active: list[Active] = []
-        self.stash: dict[int, Tensor] = {}
 
     def begin(self, positions: Tensor) -> None:
         batch = self.runner.input_batch
@@ -184,7 +183,6 @@ class StepState:
             prompts.append(torch.full((count,), int(tag["prompt"])))
             lengths.append(torch.full((count,), int(tag["length"])))
         self.active = []
-        self.stash = {}
         device = positions.device
         for call_id, (rows, prompts, lengths) in groups.items():
             rows = torch.cat(rows).to(device)
@@ -270,10 +268,9 @@ def _layer_hooks(layer, i: int, layout, state: StepState, needed: set) -> list:
     at = lambda point: Address(point, i)  # noqa: E731
     wants = lambda point: at(point) in needed  # noqa: E731
     handles = []
-    need_mid = wants("resid_mid")
     attention = layer.get_submodule(layout.attention)
 
-    if i == 0 or wants("resid_pre") or need_mid:
+    if i == 0 or wants("resid_pre"):
         def layer_in(module, args, kwargs):
             positions, hidden, residual = _layer_args(args, kwargs)
             if i == 0:
@@ -285,8 +282,6 @@ def _layer_hooks(layer, i: int, layout, state: StepState, needed: set) -> list:
             if i == 0 and EMBED in needed:
                 x = state.touch(EMBED, x)
             x = state.touch(at("resid_pre"), x)
-            if need_mid:
-                state.stash[i] = x
             if x is start:
                 return None
             # vLLM carries the stream as (hidden, residual) and adds them first thing: hand it (x, 0).
@@ -331,18 +326,24 @@ def _layer_hooks(layer, i: int, layout, state: StepState, needed: set) -> list:
             return (state.shards.split(edited, 1, local).reshape(args[0].shape).to(args[0].dtype), *args[1:])
         handles.append(layer.get_submodule(layout.o_proj).register_forward_pre_hook(z_in))
 
-    if wants("attn_out") or need_mid:
+    if wants("attn_out"):
         def attn_out(module, args, out):
             if not state.active:
                 return None
             a = state.touch(at("attn_out"), out)
-            if need_mid:
-                r = state.stash[i] + a
-                edited = state.touch(at("resid_mid"), r)
-                if edited is not r:
-                    a = a + (edited - r)
             return None if a is out else a
         handles.append(layer.get_submodule(layout.attn_out).register_forward_hook(attn_out))
+
+    if wants("resid_mid"):
+        def mid_in(module, args):
+            if not state.active:
+                return None
+            hidden, residual = args[:2]  # (attn_out, resid_pre): the norm adds them first thing
+            r = hidden + residual
+            edited = state.touch(at("resid_mid"), r)
+            # Hand it (edited, 0), as layer_in does: a zeroed stream stays exactly zero through the norm.
+            return None if edited is r else (edited, torch.zeros_like(residual), *args[2:])
+        handles.append(layer.get_submodule(layout.mid_norm).register_forward_pre_hook(mid_in))
 
     if wants("mlp_act"):
         def mlp_in(module, args):
