@@ -163,9 +163,19 @@ class StepState:
         model = runner.get_model()
         norm = model.get_submodule(_layout(runner).final_norm)
         # Every rank runs this (compute_logits gathers the vocab-parallel shards, a collective).
-        self.lens = lambda x: torch.log_softmax(model.compute_logits(norm(x)).float(), dim=-1)
+        self.lens = lambda x: torch.log_softmax(model.compute_logits(self._norm(norm, x)).float(), dim=-1)
+        self.in_lens = False
         self.active: list[Active] = []
         self.stash: dict[int, Tensor] = {}
+
+    def _norm(self, norm, x: Tensor) -> Tensor:
+        """The final norm for the lens, without firing our own hook on that norm (which would touch `final`
+        again, and recurse when `final` itself is a lens point)."""
+        self.in_lens = True
+        try:
+            return norm(x)
+        finally:
+            self.in_lens = False
 
     def begin(self, positions: Tensor) -> None:
         batch = self.runner.input_batch
@@ -237,6 +247,8 @@ def install(runner, calls: dict[str, WorkerCall]) -> list:
 
 
 def _final(model, state: StepState, out, want_logits: bool):
+    if state.in_lens:
+        return None
     normed = out[0] if isinstance(out, tuple) else out
     edited = state.touch(FINAL, normed)
     if want_logits:
