@@ -97,7 +97,8 @@ def _judge(row: dict, ours, ref, tol: Tolerance, backend: str, eager_only: bool)
     if isinstance(ours, dict) and "refused" in ours:
         if backend.startswith("vllm") and eager_only:
             return Row(**row, status="not_served", message=ours["refused"])
-        if backend == "vllm-static" and "declared" in ours["refused"]:
+        if backend == "vllm-static" and any(w in ours["refused"] for w in ("declared", "static_points",
+                                                                            "static_writes")):
             return Row(**row, status="not_declared", message=ours["refused"])
         if isinstance(ref, dict) or ref is None:
             return Row(**row, status="not_served", message=ours["refused"])

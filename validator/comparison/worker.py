@@ -78,9 +78,15 @@ def run(model, *, quick: bool, plant: C.Plant | None, backend: str, num_gpus: in
     points = C.lens_points(dims)
     lens = attempt(results, "lens/*", lambda: logit_lens(model, list(C.PROMPTS), points=points, progress=False))
     if lens is not None:
-        results.pop("lens/*", None)
         for a, row in zip(points, lens):
             results[f"lens/{a}"] = row
+    else:  # as for captures: which of the points is refused, one by one
+        results.pop("lens/*")
+        for a in points:
+            one = attempt(results, f"lens/{a}", lambda a=a: logit_lens(model, list(C.PROMPTS), points=[a],
+                                                                       progress=False))
+            if one is not None:
+                results[f"lens/{a}"] = one[0]
     out = attempt(results, "generate/*", lambda: generate(
         model, list(C.PROMPTS), C.generation_spec(dims), max_new_tokens=4 if quick else 8, stop_at_eos=False,
         capture=C.generation_capture(dims), progress=False))
