@@ -120,8 +120,24 @@ def heatmap(path: Path, rows: list[Row]) -> None:
         ax.set_xlabel("layer ('-': model-level point)", fontsize=7)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
+    fig.subplots_adjust(left=0.12, right=0.84, wspace=0.35, hspace=0.45)
     if image is not None:
-        fig.colorbar(image, ax=axes, shrink=0.6, label="log10 max |error| vs eager (red frame: fail; grey: refused)")
-    fig.subplots_adjust(wspace=0.5)
+        bar = fig.colorbar(image, cax=fig.add_axes([0.88, 0.25, 0.02, 0.5]))
+        bar.set_label("log10 max |error| vs eager (red frame: fail; grey: refused)", fontsize=8)
     fig.savefig(path, dpi=90, bbox_inches="tight")
     plt.close(fig)
+
+
+def main() -> None:
+    """Regenerate results.md and heatmap.png from a results.json."""
+    import sys
+
+    path = Path(sys.argv[1] if len(sys.argv) > 1 else "validator/results/results.json")
+    data = json.loads(path.read_text())
+    rows = [Row(**r) for r in data.pop("rows")]
+    (path.parent / "results.md").write_text(markdown(rows, data))
+    heatmap(path.parent / "heatmap.png", rows)
+
+
+if __name__ == "__main__":
+    main()
