@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-gpus", type=int, default=None, help="default: NUM_GPUS, else visible CUDA cards, else 1")
     parser.add_argument("--model", default=None, help="family (built locally), checkpoint folder or cached repo id")
     parser.add_argument("--suites", default=",".join(SUITES))
-    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per path and size (full: 3)")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per path and size (full: 5)")
     parser.add_argument("--max-wait", type=float, default=None,
                         help="seconds a suite may spend waiting for other processes to leave the CPUs")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     model = resolve_model(args.model, args.quick)
     settings = B.Settings(model=str(model), quick=args.quick, num_gpus=args.num_gpus or default_num_gpus(),
-                          reps=args.reps or (1 if args.quick else 3), warmup=1,
+                          reps=args.reps or (1 if args.quick else 5), warmup=1,
                           max_wait_s=args.max_wait if args.max_wait is not None else (0 if args.quick else 20),
                           out="")
     start, suites = time.perf_counter(), {}
