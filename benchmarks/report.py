@@ -120,15 +120,22 @@ def chart(path: Path, data: dict) -> None:
             by_scenario[r["scenario"]][f"{r['suite']}: {r['path']} / {NAMES.get(r['baseline'], r['baseline'])}"] \
                 .append((r["batch"] * r["seq"], r["ratio"]))
     panels = sorted(by_scenario) or ["nothing measured"]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.2), squeeze=False)
-    for ax, scenario in zip(axes[0], panels):
+    cols = min(3, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 4.2 * rows), squeeze=False)
+    ticks = sorted({(r["batch"], r["seq"]) for r in data["rows"] if "ratio" in r}, key=lambda s: s[0] * s[1])
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    for ax, scenario in zip(axes.flat, panels):
         for label, points in sorted(by_scenario.get(scenario, {}).items()):
             points.sort()
             ax.plot([p for p, _ in points], [q for _, q in points], marker="o", label=label)
         ax.axhline(1.0, color="0.5", lw=0.8, ls="--")
         ax.set_xscale("log")
+        ax.minorticks_off()
+        ax.set_xticks([b * n for b, n in ticks], [f"{b}x{n}" for b, n in ticks])
         ax.set_title(scenario, fontsize=9)
-        ax.set_xlabel("tokens per call (batch x len)", fontsize=8)
+        ax.set_xlabel("batch x prompt length (log of tokens per call)", fontsize=8)
         ax.set_ylabel("time / baseline", fontsize=8)
         ax.legend(fontsize=6)
     m = data["model"]
