@@ -81,7 +81,8 @@ def markdown(data: dict) -> str:
              f"and size, medians; generation: {data['new_tokens']} new tokens; {data['when']}, "
              f"{data['seconds'] / 60:.1f} min in all. The machine is shared with other jobs: ratios within ~5% of "
              "1 are noise; `min` is the ratio of the fastest repetitions, which noise touches least.", "",
-             "| scenario | backend | path / baseline | batch x len | path ms | baseline ms | ratio | min | tok/s | target |",
+             "| scenario | backend | path / baseline | batch x len | path ms | baseline ms | ratio | min | tok/s "
+             "| target |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     timed = [r for r in data["rows"] if "ratio" in r]
     for r in sorted(timed, key=lambda r: (r["scenario"], r["suite"], r["path"], r["baseline"], r["batch"] * r["seq"])):
@@ -155,7 +156,8 @@ def readme_section(data: dict) -> str:
              f"`benchmarks/run_all.sh --update-readme` ({data['mode']} mode, {data['when']}). Machine: "
              f"{data['machine']}, num_gpus={data['num_gpus']}. Model: {m['model_type']}-shaped, "
              f"{m['n_params'] / 1e6:.0f}M parameters ({m['layers']} layers, d_model {m['d_model']}), "
-             f"{m['dtype']}, built locally; {_threads(data)}. Each cell is time / baseline, the median of {data['reps']} interleaved "
+             f"{m['dtype']}, built locally; {_threads(data)}. Each cell is time / baseline, the median of "
+             f"{data['reps']} interleaved "
              "repetitions with the baseline measured in the same process and rounds (columns: batch x prompt "
              f"length; generation adds {data['new_tokens']} tokens). The machine was shared with other jobs; "
              "differences under ~5% are noise. Chart: [results.png](benchmarks/results/results.png). "
