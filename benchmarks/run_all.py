@@ -1,0 +1,123 @@
+"""The benchmark driver: every scenario against its baseline, on every backend, in one run.
+
+Each suite runs in its own subprocess (one vLLM engine per process): eager vs HF (suite_eager), the peers vs HF
+(suite_peers, in the peers' Python), and each vLLM backend vs plain vLLM on its own engine (suite_vllm). The
+results merge into results.json, results.md (ratios) and results.png; --update-readme rewrites the README's
+performance section from them.
+
+    benchmarks/run_all.sh [--quick] [--num-gpus N] [--model FAMILY|FOLDER|REPO] [--update-readme]
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks import common as B
+from benchmarks import report
+
+ROOT = Path(__file__).resolve().parents[1]
+SUITES = ("eager", "peers", "vllm", "vllm-static", "vllm-generate")
+SUITE_TIMEOUT_S = 1800
+PEERS_PYTHON = os.environ.get("PEERS_PYTHON", "/work/peers-venv/bin/python")
+
+
+def default_num_gpus() -> int:
+    """NUM_GPUS if set; else every visible CUDA card; else 1 (a CPU benchmark split over one-core ranks would
+    measure the split, not the library)."""
+    if os.environ.get("NUM_GPUS"):
+        return int(os.environ["NUM_GPUS"])
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 1
+
+
+def resolve_model(name: str | None, quick: bool) -> Path | str:
+    if name is None:
+        return B.bench_model(quick)
+    from interp_engine.tiny import FAMILIES
+
+    if name in FAMILIES:
+        return B.bench_model(quick, name)
+    return name  # a folder, or a repo id in the local HF cache (load_model says so if it is not)
+
+
+def run_suite(suite: str, settings: B.Settings, out: Path) -> dict:
+    target = out / f"suite.{suite}.json"
+    target.unlink(missing_ok=True)
+    python, module, extra = sys.executable, "benchmarks.suite_vllm", [suite]
+    if suite == "eager":
+        module, extra = "benchmarks.suite_eager", []
+    elif suite == "peers":
+        module, extra = "benchmarks.suite_peers", []
+        if not Path(PEERS_PYTHON).exists():
+            return {"suite": suite, "rows": [B.refused(suite, "capture resid_post (all layers)", "peers",
+                                                       f"no peers' Python at {PEERS_PYTHON} (set PEERS_PYTHON)")]}
+        python = PEERS_PYTHON
+    settings = dataclasses.replace(settings, out=str(target))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    log = out / f"suite.{suite}.log"
+    start = time.perf_counter()
+    with log.open("w") as sink:
+        try:
+            rc = subprocess.run([python, "-m", module, settings.to_json(), *extra], cwd=ROOT, env=env, stdout=sink,
+                                stderr=subprocess.STDOUT, timeout=SUITE_TIMEOUT_S).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    took = time.perf_counter() - start
+    print(f"{suite}: {took:.0f} s (log: {log})", flush=True)
+    if rc != 0 or not target.exists():
+        return {"suite": suite, "seconds": took, "error": f"exit {rc}; see {log}",
+                "rows": [{"suite": suite, "scenario": "*", "path": "*", "status": "error",
+                          "note": log.read_text()[-1500:]}]}
+    data = json.loads(target.read_text())
+    target.unlink()
+    return {**data, "seconds": took}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="CI: small model, one size, one rep, every code path")
+    parser.add_argument("--num-gpus", type=int, default=None, help="default: NUM_GPUS, else visible CUDA cards, else 1")
+    parser.add_argument("--model", default=None, help="family (built locally), checkpoint folder or cached repo id")
+    parser.add_argument("--suites", default=",".join(SUITES))
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per path and size (full: 5)")
+    parser.add_argument("--max-wait", type=float, default=None,
+                        help="seconds a suite may spend waiting for other processes to leave the CPUs")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--update-readme", action="store_true", help="rewrite README.md's performance section")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = resolve_model(args.model, args.quick)
+    settings = B.Settings(model=str(model), quick=args.quick, num_gpus=args.num_gpus or default_num_gpus(),
+                          reps=args.reps or (1 if args.quick else 5), warmup=1,
+                          max_wait_s=args.max_wait if args.max_wait is not None else (0 if args.quick else 20),
+                          out="")
+    start, suites = time.perf_counter(), {}
+    for suite in [s for s in args.suites.split(",") if s]:
+        suites[suite] = run_suite(suite, settings, out)
+    meta = {"mode": "quick" if args.quick else "full", "machine": report.machine(), "model": report.model_info(model),
+            "num_gpus": settings.num_gpus, "sizes": [list(s) for s in settings.sizes], "reps": settings.reps,
+            "new_tokens": settings.new_tokens, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "seconds": time.perf_counter() - start,
+            "suites": {k: {x: v[x] for x in v if x != "rows"} for k, v in suites.items()}}
+    rows = [r for s in suites.values() for r in s["rows"]]
+    data = {**meta, "rows": rows}
+    (out / "results.json").write_text(json.dumps(data, indent=1))
+    (out / "results.md").write_text(report.markdown(data))
+    report.chart(out / "results.png", data)
+    if args.update_readme:
+        report.update_readme(ROOT / "README.md", data)
+    errors = [r for r in rows if r.get("status") == "error"]
+    print((out / "results.md").read_text())
+    print(f"{len(errors)} suites failed; wrote {out}/results.{{json,md,png}} in {meta['seconds']:.0f} s")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

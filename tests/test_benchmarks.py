@@ -1,0 +1,38 @@
+"""The benchmark driver's quick mode runs every scenario's code path and writes its reports. No timing is
+asserted: the numbers are reported, as ratios against a baseline measured in the same run."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks import report
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_quick_benchmarks_run_every_scenario_and_write_their_files(tmp_path):
+    # The peers' venv is a machine-local extra; CI has none, and the peers suite reports itself not installed.
+    cmd = [sys.executable, "-m", "benchmarks.run_all", "--quick", "--out", str(tmp_path)]
+    env = {**os.environ, "INTERP_ENGINE_BENCH_CACHE": str(tmp_path / "models"),
+           "PEERS_PYTHON": str(tmp_path / "no-peers")}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200, env=env)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    data = json.loads((tmp_path / "results.json").read_text())
+    timed = {(r["suite"], r["path"]) for r in data["rows"] if "ratio" in r}
+    for path in ("capture_resid_post", "capture_all_points", "logit_lens", "run_with_grad", "steered_generate"):
+        assert ("eager", path) in timed, path
+    statuses = {(r["suite"], r["path"]): r.get("status") for r in data["rows"] if "ratio" not in r}
+    assert not [k for k, s in statuses.items() if s == "error"], statuses
+    if data["suites"]["vllm"].get("status") == "ok":
+        for path in ("capture_resid_post", "capture_all_points", "logit_lens", "steered_generate"):
+            assert ("vllm", path) in timed, path
+        assert statuses[("vllm", "run_with_grad")] == "not_served"
+    assert ("vllm-generate", "generate") in timed or data["suites"]["vllm-generate"].get("status") != "ok"
+    assert data["suites"]["vllm-static"].get("status") in ("ok", "not_built", "not_served")
+    md = (tmp_path / "results.md").read_text()
+    assert "| capture resid_post (all layers) | eager |" in md and "parameters" in md
+    assert (tmp_path / "results.png").read_bytes()[:4] == b"\x89PNG"
+    section = report.readme_section(data)
+    assert section.startswith(report.START) and section.endswith(report.END) and "capture every point" in section

@@ -1,0 +1,91 @@
+"""The validator (validator/comparison): its quick mode passes on two architectures and writes its reports; a
+planted 1e-2 error on one point of one backend makes it fail and name that point."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from interp_engine.addresses import POINTS
+from tests.skips import requires
+from validator.comparison.cases import Plant
+from validator.comparison.tolerances import TOLERANCES, compare
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _validate(out: Path, models: Path, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "validator.comparison.validate", "--quick", "--out", str(out),
+           "--models-dir", str(models), *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    """One quick run shared by the tests that read its outputs (it loads two vLLM engines)."""
+    out = tmp_path_factory.mktemp("validator")
+    proc = _validate(out, tmp_path_factory.mktemp("models"))
+    return proc, out
+
+
+def test_quick_validator_passes_on_two_architectures(quick):
+    proc, out = quick
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    data = json.loads((out / "results.json").read_text())
+    assert data["failures"] == 0 and set(data["models"]) == {"llama", "gemma2"}
+    rows = data["rows"]
+    for model in data["models"]:
+        vllm = [r for r in rows if r["model"] == model and r["backend"] == "vllm"]
+        if vllm and vllm[0]["status"] == "not_installed":
+            continue
+        # every point of DESIGN section 3, at every layer, compared and within tolerance
+        captured = {(r["point"], r["layer"]) for r in vllm if r["kind"] == "capture" and r["status"] == "pass"}
+        assert {p for p, _ in captured} == set(POINTS), model
+        assert len(captured) == sum(3 if info.layered else 1 for info in POINTS.values())
+        assert {r["kind"] for r in vllm if r["status"] == "pass"} == {"capture", "steer", "lens", "generate"}
+        # eager-only edits are listed as not served, never failed
+        assert {r["point"] for r in vllm if r["status"] == "not_served"} >= {"logits", "attn_scores", "attn_probs"}
+    static = {r["status"] for r in rows if r["backend"] == "vllm-static"}
+    assert static and static <= {"pass", "not_declared", "not_built", "not_installed", "known"}, static
+
+
+def test_quick_validator_writes_json_markdown_and_heatmap(quick):
+    _, out = quick
+    md = (out / "results.md").read_text()
+    assert "**PASSED**" in md and "| llama | vllm | 1 |" in md and "vllm-static" in md
+    png = (out / "heatmap.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+@requires("vllm")
+def test_a_planted_error_fails_the_run_and_names_the_point(tmp_path):
+    proc = _validate(tmp_path / "out", tmp_path / "models", "--backends", "vllm",
+                     "--plant", "resid_mid.1:vllm:1e-2", "llama")
+    assert proc.returncode == 1, proc.stdout[-4000:]
+    assert "FAIL llama vllm num_gpus=1 capture resid_mid.1: max abs 0.01" in proc.stdout, proc.stdout[-4000:]
+    data = json.loads((tmp_path / "out" / "results.json").read_text())
+    failed = [r for r in data["rows"] if r["status"] == "fail"]
+    assert [(r["kind"], r["point"], r["layer"]) for r in failed] == [("capture", "resid_mid", 1)]
+    assert "PLANTED ERROR: resid_mid.1:vllm:0.01" in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_the_plant_is_only_an_explicit_well_formed_flag():
+    assert Plant.parse("resid_mid.1:vllm@2:1e-2").applies("vllm", 2)
+    assert not Plant.parse("resid_mid.1:vllm@2:1e-2").applies("vllm", 1)
+    for bad in ("resid_mid.1:vllm", "nope.1:vllm:1e-2", "resid_mid.1:vllm:0", "resid_mid.1:vllm:nan"):
+        with pytest.raises(Exception, match="Fix:|not a point"):
+            Plant.parse(bad)
+
+
+def test_tolerances_catch_a_1e_2_error_and_compare_masked_keys():
+    fp32 = TOLERANCES[torch.float32]
+    ref = torch.tensor([[0.0, 1.0, -3.0], [float("-inf"), 2.0, 1e-9]])
+    assert compare(ref.clone(), ref, fp32).ok
+    assert not compare(ref + 1e-2, ref, fp32).ok
+    moved = ref.clone()
+    moved[1, 0] = 0.0  # a masked key unmasked
+    assert not compare(moved, ref, fp32).ok
+    assert not compare(ref[:1], ref, fp32).ok

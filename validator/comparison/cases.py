@@ -1,0 +1,117 @@
+"""The validator's workload: the same prompts, edits, lens points and generation on every backend.
+
+Everything here is a deterministic function of the model's dims, so each backend's subprocess rebuilds the same
+cases and the driver compares them key by key.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from interp_engine import Address
+from interp_engine import spec as S
+from interp_engine.addresses import POINTS
+from interp_engine.arch import Dims
+from interp_engine.validate import feature_shape
+
+# Ragged on purpose: rows of different lengths exercise per-request row mapping and padding on every backend.
+PROMPTS = ("Hello, world! Tell me a story", "Paris is the capital of", "The quick brown fox jumps over the lazy dog.")
+
+# Ops the vLLM backends refuse by design (eager-only): listed as "not served", never counted as failures.
+EAGER_ONLY_WRITES = tuple(name for name, info in POINTS.items() if info.eager_only_write)
+
+
+@dataclass(frozen=True, slots=True)
+class SteerCase:
+    key: str  # "Add/resid_post.1"
+    op: str
+    address: Address
+    spec: S.Spec
+
+    @property
+    def eager_only(self) -> bool:
+        """True where the vLLM backends refuse this edit by design."""
+        return self.address.point in EAGER_ONLY_WRITES or self.op == "Ablate(mean)"
+
+
+def steer_layer(dims: Dims) -> int:
+    return dims.n_layers // 2
+
+
+def _vector(address: Address, shape: tuple[int, ...], salt: int) -> torch.Tensor:
+    seed = sum(ord(c) for c in str(address)) * 31 + salt
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 0.5
+
+
+def steer_cases(dims: Dims) -> list[SteerCase]:
+    """Add, Set (last position) and zero-Ablate at every point of DESIGN section 3, at the middle layer.
+
+    Attention patterns and logits are writable on eager only: one zero-Ablate each stands for them, plus a
+    mean-Ablate (eager-only too), so the report lists what the vLLM backends do not serve.
+    """
+    layer = steer_layer(dims)
+    cases = []
+    for name, info in POINTS.items():
+        address = Address(name, layer) if info.layered else Address(name)
+        if info.eager_only_write:
+            cases.append(SteerCase(f"Ablate/{address}", "Ablate", address, S.Spec((S.Ablate(str(address)),))))
+            continue
+        shape = feature_shape(address, dims, 1)
+        cases += [
+            SteerCase(f"Add/{address}", "Add", address,
+                      S.Spec((S.Add(str(address), _vector(address, shape, 1), scale=2.0),))),
+            SteerCase(f"Set/{address}", "Set", address,
+                      S.Spec((S.Set(str(address), _vector(address, shape, 2), positions="last"),))),
+            SteerCase(f"Ablate/{address}", "Ablate", address, S.Spec((S.Ablate(str(address)),))),
+        ]
+    mean = Address("resid_post", layer)
+    cases.append(SteerCase(f"Ablate(mean)/{mean}", "Ablate(mean)", mean, S.Spec((S.Ablate(str(mean), how="mean"),))))
+    return cases
+
+
+def lens_points(dims: Dims) -> list[Address]:
+    layer = steer_layer(dims)
+    return [Address("embed"), *(Address("resid_post", i) for i in range(dims.n_layers)),
+            Address("resid_mid", layer), Address("attn_out", layer), Address("mlp_out", layer), Address("final")]
+
+
+def generation_spec(dims: Dims) -> S.Spec:
+    address = Address("resid_post", steer_layer(dims))
+    return S.Spec((S.Add(str(address), _vector(address, (dims.d_model,), 3), scale=4.0),))
+
+
+def generation_capture(dims: Dims) -> list[str]:
+    return [f"resid_post.{dims.n_layers - 1}"]
+
+
+@dataclass(frozen=True, slots=True)
+class Plant:
+    """A deliberate error, for proving the validator catches one: `amount` added to one captured point on one
+    backend (optionally at one num_gpus) in that backend's subprocess, after the capture and before comparing.
+    Only the explicit --plant flag creates one, and every report made with it says so."""
+
+    address: Address
+    backend: str
+    amount: float
+    num_gpus: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> "Plant":
+        """"resid_mid.1:vllm:1e-2" or "resid_mid.1:vllm@2:1e-2"."""
+        try:
+            where, backend, amount = text.split(":")
+            backend, _, ranks = backend.partition("@")
+            plant = cls(Address.parse(where), backend, float(amount), int(ranks) if ranks else None)
+        except ValueError as e:
+            raise ValueError(f"--plant {text!r} is not POINT.LAYER:BACKEND[@NUM_GPUS]:AMOUNT ({e}). "
+                             "Fix: e.g. --plant resid_mid.1:vllm:1e-2") from None
+        if not plant.amount or plant.amount != plant.amount:
+            raise ValueError(f"--plant amount must be a non-zero number, got {amount!r}. Fix: e.g. 1e-2.")
+        return plant
+
+    def applies(self, backend: str, num_gpus: int) -> bool:
+        return backend == self.backend and self.num_gpus in (None, num_gpus)
+
+    def __str__(self) -> str:
+        ranks = f"@{self.num_gpus}" if self.num_gpus else ""
+        return f"{self.address}:{self.backend}{ranks}:{self.amount:g}"

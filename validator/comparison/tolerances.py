@@ -1,0 +1,72 @@
+"""Every tolerance the validator applies, in one place, per dtype.
+
+A value `ours` passes against the eager reference `ref` where, element by element,
+    |ours - ref| <= atol + rtol * |ref|        (torch.allclose's rule)
+and -inf entries (masked attention scores) sit at the same places. `rtol` carries the bar; `atol` is a floor for
+values near zero, where a relative error means nothing (a zero activation, a masked-out probability).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class Tolerance:
+    rtol: float
+    atol: float
+
+
+TOLERANCES: dict[torch.dtype, Tolerance] = {
+    # fp32: the existing parity tests' bar (tests/test_vllm_backend.py). Two correct implementations of one fp32
+    # forward differ by reassociation only (vLLM's fused residual add, its own GEMM and attention kernels):
+    # ~1e-7 relative per op, ~1e-6 after a few layers; 1e-4 leaves two orders of magnitude of headroom while a
+    # real bug (a wrong row, head or position; a missed norm; an edit applied twice) is >= 1e-2. The 1e-5
+    # floor sits far above fp32 noise near zero and far below the 1e-2 planted error the tests must catch.
+    torch.float32: Tolerance(rtol=1e-4, atol=1e-5),
+    # bf16 keeps 8 mantissa bits (eps 2^-8 = 3.9e-3). Kernels that round in a different order disagree by a few
+    # ulps per op, and the error compounds through the residual stream, so 4 ulps (1.6e-2) relative, with a
+    # floor of 1e-2 for values near zero (a bf16 value of magnitude ~1 cannot resolve less).
+    torch.bfloat16: Tolerance(rtol=1.6e-2, atol=1e-2),
+    # fp16 keeps 11 bits (eps 2^-11 = 4.9e-4) but overflows early; the same 4-ulp argument gives ~2e-3 relative,
+    # rounded up to 5e-3 for accumulation over depth, floor 1e-3.
+    torch.float16: Tolerance(rtol=5e-3, atol=1e-3),
+}
+
+
+def tolerance_for(dtype: torch.dtype) -> Tolerance:
+    try:
+        return TOLERANCES[dtype]
+    except KeyError:
+        raise ValueError(f"the validator has no tolerance for {dtype}. Fix: add one to "
+                         f"validator/comparison/tolerances.py with a comment that justifies it.") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Errors:
+    """How far `ours` is from `ref`: max absolute error, max relative error (|diff| / max(|ref|, atol)) and
+    whether every element is within the tolerance."""
+
+    max_abs: float
+    max_rel: float
+    ok: bool
+    detail: str = ""
+
+
+def compare(ours: torch.Tensor, ref: torch.Tensor, tol: Tolerance) -> Errors:
+    if ours.shape != ref.shape:
+        return Errors(float("inf"), float("inf"), False, f"shape {tuple(ours.shape)} != reference {tuple(ref.shape)}")
+    a, b = ours.detach().double(), ref.detach().double()
+    inf_a, inf_b = torch.isinf(a), torch.isinf(b)
+    if not torch.equal(inf_a, inf_b) or not torch.equal(a[inf_a], b[inf_b]):
+        return Errors(float("inf"), float("inf"), False, "infinite entries (masked keys) differ")
+    if torch.isnan(a).any() != torch.isnan(b).any():
+        return Errors(float("nan"), float("nan"), False, "NaN in one result only")
+    finite = ~inf_b & ~torch.isnan(b)
+    a, b = a[finite], b[finite]
+    if a.numel() == 0:
+        return Errors(0.0, 0.0, True)
+    diff = (a - b).abs()
+    rel = diff / b.abs().clamp_min(tol.atol)
+    ok = bool((diff <= tol.atol + tol.rtol * b.abs()).all())
+    return Errors(float(diff.max()), float(rel.max()), ok)

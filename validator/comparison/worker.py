@@ -1,0 +1,159 @@
+"""One (model, backend, num_gpus): run the validator's workload and save every result to one file.
+
+Run by validate.py in its own subprocess (one vLLM engine per process; a crash stays in its process):
+
+    python -m validator.comparison.worker --model PATH --backend vllm --num-gpus 1 --out results.pt
+"""
+
+import argparse
+import asyncio
+import time
+import traceback
+
+import torch
+
+from interp_engine import InterpEngineError, capture, generate, load_model, logit_lens, steer
+from interp_engine.addresses import POINTS, Address
+from validator.comparison import cases as C
+
+# What load_model says for a backend this build of interp_engine lacks, and where vLLM itself is missing.
+NOT_BUILT, NOT_INSTALLED = "not in this build", "which is not installed"
+
+
+def every_address(n_layers: int) -> list[Address]:
+    return [Address(name, i) if info.layered else Address(name)
+            for name, info in POINTS.items() for i in (range(n_layers) if info.layered else [None])]
+
+
+def load(path: str, backend: str, num_gpus: int, static_points: str):
+    if backend == "eager":
+        return load_model(path, backend="eager", device="cuda" if torch.cuda.is_available() else "cpu",
+                          attn_implementation="eager", num_gpus=num_gpus)
+    kwargs = {}
+    if backend == "vllm-static":
+        from interp_engine.arch import arch_for, read_dims
+        from interp_engine.loading import read_config  # dims before a handle exists, to declare the taps
+
+        _, config = read_config(path)
+        dims = read_dims(config, arch_for(config))
+        kwargs["static_points"] = "auto" if static_points == "auto" else [str(a) for a in every_address(dims.n_layers)]
+        # every edit the workload makes (steering cases and generation's Add) must be declared up front
+        kwargs["static_writes"] = sorted({str(c.address) for c in C.steer_cases(dims) if not c.eager_only})
+    return load_model(path, backend=backend, num_gpus=num_gpus, **kwargs)
+
+
+def attempt(results: dict, key: str, call) -> object | None:
+    """Run `call`; a refusal (the library's own error) and a crash are both recorded under `key`."""
+    try:
+        return call()
+    except InterpEngineError as e:
+        results[key] = {"refused": str(e)}
+    except Exception:  # noqa: BLE001 - a crash is a result the report must show, not a reason to stop
+        results[key] = {"error": traceback.format_exc(limit=6)}
+    return None
+
+
+def run(model, *, quick: bool, plant: C.Plant | None, backend: str, num_gpus: int) -> dict:
+    dims, results = model.dims, {}
+    addresses = every_address(dims.n_layers)
+    cache = attempt(results, "capture/*", lambda: capture(model, list(C.PROMPTS), addresses, progress=False))
+    if cache is not None:
+        for a in addresses:
+            results[f"capture/{a}"] = cache[a]
+    else:  # one refused point refuses the whole call (vllm-static: undeclared points): ask point by point
+        results.pop("capture/*")
+        for a in addresses:
+            one = attempt(results, f"capture/{a}", lambda a=a: capture(model, list(C.PROMPTS), [a], progress=False))
+            if one is not None:
+                results[f"capture/{a}"] = one[a]
+    if plant is not None and plant.applies(backend, num_gpus):
+        key = f"capture/{plant.address.resolve(dims.n_layers)}"
+        if isinstance(results.get(key), torch.Tensor):
+            results[key] = results[key] + plant.amount
+    for case in C.steer_cases(dims):
+        logits = attempt(results, f"steer/{case.key}", lambda case=case: steer(model, list(C.PROMPTS), case.spec,
+                                                                               progress=False))
+        if logits is not None:
+            results[f"steer/{case.key}"] = logits
+    points = C.lens_points(dims)
+    lens = attempt(results, "lens/*", lambda: logit_lens(model, list(C.PROMPTS), points=points, progress=False))
+    if lens is not None:
+        for a, row in zip(points, lens):
+            results[f"lens/{a}"] = row
+    else:  # as for captures: which of the points is refused, one by one
+        results.pop("lens/*")
+        for a in points:
+            one = attempt(results, f"lens/{a}", lambda a=a: logit_lens(model, list(C.PROMPTS), points=[a],
+                                                                       progress=False))
+            if one is not None:
+                results[f"lens/{a}"] = one[0]
+    out = attempt(results, "generate/*", lambda: generate(
+        model, list(C.PROMPTS), C.generation_spec(dims), max_new_tokens=4 if quick else 8, stop_at_eos=False,
+        capture=C.generation_capture(dims), progress=False))
+    if out is not None:
+        results["generate/tokens"] = torch.tensor(out.tokens)
+        for a in C.generation_capture(dims):
+            results[f"generate/{a}"] = out.cache[a]
+    return results
+
+
+def hf_reference(path: str, model) -> dict:
+    """HF's own forward (output_hidden_states), to check the eager reference itself: logits and the hidden
+    states that equal resid_post (every layer but the last, whose HF hidden state is after the final norm)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=model.dtype).eval()
+    rows = [model.tokenize(p) for p in C.PROMPTS]
+    width, n = max(map(len, rows)), model.n_layers
+    logits = torch.zeros(len(rows), width, model.d_vocab, dtype=model.dtype)
+    hidden = torch.zeros(n - 1, len(rows), width, model.d_model, dtype=model.dtype)
+    with torch.inference_mode():
+        for i, ids in enumerate(rows):
+            out = hf(input_ids=torch.tensor([ids]), output_hidden_states=True)
+            logits[i, : len(ids)] = out.logits[0]
+            for layer in range(n - 1):
+                hidden[layer, i, : len(ids)] = out.hidden_states[layer + 1][0]
+    return {"hf/logits": logits, **{f"hf/resid_post.{layer}": hidden[layer] for layer in range(n - 1)}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--backend", required=True, choices=["eager", "vllm", "vllm-static"])
+    parser.add_argument("--num-gpus", type=int, default=1)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--static-points", default="auto", choices=["auto", "all"])
+    parser.add_argument("--plant", default=None, help="POINT.LAYER:BACKEND[@N]:AMOUNT (tests of the validator only)")
+    args = parser.parse_args()
+    plant = C.Plant.parse(args.plant) if args.plant else None
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    saved = {"backend": args.backend, "num_gpus": args.num_gpus, "results": {}}
+    try:
+        model = load(args.model, args.backend, args.num_gpus, args.static_points)
+        asyncio.run(model.warmup())
+    except InterpEngineError as e:
+        status = "not_built" if NOT_BUILT in str(e) else "not_installed" if NOT_INSTALLED in str(e) else "not_served"
+        saved.update(status=status, message=str(e))
+    except Exception:  # noqa: BLE001 - a load crash is reported as a failure of this backend
+        saved.update(status="error", message=traceback.format_exc(limit=8))
+    else:
+        try:
+            saved.update(status="ok", dtype=str(model.dtype).removeprefix("torch."),
+                         dims={f: getattr(model.dims, f) for f in model.dims.__dataclass_fields__})
+            saved["results"] = run(model, quick=args.quick, plant=plant, backend=args.backend,
+                                   num_gpus=args.num_gpus)
+            if args.backend == "eager" and args.num_gpus == 1:
+                saved["results"].update(hf_reference(args.model, model))
+        except Exception:  # noqa: BLE001
+            saved.update(status="error", message=traceback.format_exc(limit=8))
+        finally:
+            asyncio.run(model.shutdown())
+    saved["seconds"] = time.perf_counter() - start
+    torch.save(saved, args.out)
+    print(f"{args.backend}@{args.num_gpus}: {saved['status']} in {saved['seconds']:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
