@@ -18,6 +18,7 @@ TARGETS = {
     ("eager", "capture_resid_post", "hf_forward"): 1.05,
     ("vllm", "capture_resid_post", "plain_prefill"): 1.10,
     ("vllm-static", "capture_resid_post", "plain_prefill"): 1.03,
+    ("vllm-static vs plain engine", "capture_resid_post", "plain_prefill"): 1.03,
     ("vllm-generate", "generate", "plain_decode"): 1.01,
     ("vllm", "steered_generate", "plain_decode"): 1.10,
 }
@@ -71,6 +72,10 @@ def _threads(data: dict) -> str:
             if threads and "no GPU" in data["machine"] else "")
 
 
+def _ratio(value: float | None) -> str:
+    return "" if value is None else f"{value:.3f}"
+
+
 def markdown(data: dict) -> str:
     m = data["model"]
     lines = [f"# Benchmarks ({data['mode']} mode)", "",
@@ -92,7 +97,7 @@ def markdown(data: dict) -> str:
         noisy = f" ({r['noisy_rounds']} noisy)" if r.get("noisy_rounds") else ""
         lines.append(f"| {r['scenario']} | {r['suite']} | {r['path']} / {NAMES.get(r['baseline'], r['baseline'])} | "
                      f"{r['batch']}x{r['seq']} | {r['path_ms']:.0f} | {r['baseline_ms']:.0f} | "
-                     f"{r['ratio']:.3f}{noisy} | {r['min_ratio']:.3f} | {tps} | {target} |")
+                     f"{r['ratio']:.3f}{noisy} | {_ratio(r['min_ratio'])} | {tps} | {target} |")
     other = [r for r in data["rows"] if "ratio" not in r]
     if other:
         lines += ["", "Not measured:", ""]
