@@ -18,6 +18,7 @@ import itertools
 import json
 import os
 from array import array
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterable, Iterator, Sequence, Sized
 from pathlib import Path
 from typing import Any
@@ -52,7 +53,8 @@ def harvest(model: ModelHandle, prompts: str | os.PathLike | Iterable, points: S
     `field` on each line), or an iterable of strings or token-id lists (read lazily). Each `capture` call
     takes `chunk_prompts` prompts (enough to fill vLLM's batch); a shard closes at the first chunk boundary
     at or past `shard_tokens` tokens. Activations are stored in `dtype` (default: the model's).
-    Memory holds one shard and one chunk's padded capture, whatever the input size. A rerun into the same
+    Memory holds two shards (one being written in the background) and one chunk's padded capture, whatever
+    the input size. A rerun into the same
     folder skips finished shards (after checking their prompts are the same) and resumes after them.
     Returns the harvest, read back lazily (`load_harvest`).
     """
@@ -89,18 +91,26 @@ def harvest(model: ModelHandle, prompts: str | os.PathLike | Iterable, points: S
     bar.set_postfix_str(_progress(done_prompts, count))
     shard: list[tuple[tuple[tuple[int, ...], ...], dict[str, torch.Tensor]]] = []
     held = 0
-    for chunk in _chunks(source, chunk_prompts):
-        ids = tokenize(chunk)
-        cache = capture(model, [list(p) for p in ids], addresses, spec, progress=False)
-        shard.append((ids, {str(a): torch.cat(cache.unpadded(a)).to(store) for a in addresses}))
-        del cache
-        n = sum(len(p) for p in ids)
-        held, done_prompts = held + n, done_prompts + len(ids)
-        bar.update(n)
-        bar.set_postfix_str(_progress(done_prompts, count))
-        if held >= shard_tokens:
-            _write_shard(out, manifest, shard, complete=False)
-            shard, held = [], 0
+    # Shards are written by one background thread while the next chunks are captured, so the engine is not
+    # left idle during disk writes; at most one shard is in flight (memory stays bounded).
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="interp_engine-harvest") as writer:
+        pending = None
+        for chunk in _chunks(source, chunk_prompts):
+            ids = tokenize(chunk)
+            cache = capture(model, [list(p) for p in ids], addresses, spec, progress=False)
+            shard.append((ids, {str(a): torch.cat(cache.unpadded(a)).to(store) for a in addresses}))
+            del cache
+            n = sum(len(p) for p in ids)
+            held, done_prompts = held + n, done_prompts + len(ids)
+            bar.update(n)
+            bar.set_postfix_str(_progress(done_prompts, count))
+            if held >= shard_tokens:
+                if pending is not None:
+                    pending.result()
+                pending = writer.submit(_write_shard, out, manifest, shard, complete=False)
+                shard, held = [], 0
+        if pending is not None:
+            pending.result()
     _write_shard(out, manifest, shard, complete=True)
     bar.close()
     return load_harvest(out)
