@@ -65,9 +65,10 @@ def main() -> None:
             prompts = Path(tmp) / f"prompts{n}.txt"
             with prompts.open("w") as f:
                 for _ in range(n):
-                    f.write(" ".join(words[int(i)] for i in torch.randint(0, len(words), (LENGTH // 2,), generator=g)) + "\n")
-            run = subprocess.run([sys.executable, __file__, "--child", str(path), str(prompts), str(Path(tmp) / f"out{n}")],
-                                 capture_output=True, text=True, check=True)
+                    picks = torch.randint(0, len(words), (LENGTH // 2,), generator=g)
+                    f.write(" ".join(words[int(i)] for i in picks) + "\n")
+            argv = [sys.executable, __file__, "--child", str(path), str(prompts), str(Path(tmp) / f"out{n}")]
+            run = subprocess.run(argv, capture_output=True, text=True, check=True)
             rows[n] = json.loads(run.stdout.strip().splitlines()[-1])
     first = next(iter(rows.values()))
     per_chunk_tokens = CHUNK * LENGTH  # an upper bound: prompts here are at most ~LENGTH tokens

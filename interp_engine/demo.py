@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> None:
                           title=f"attn_probs.0: {paris!r}")
     steered = capture(model, paris, layers, steering, progress=False)
     plain_run = capture(model, paris, layers, progress=False)
-    norms = plot_steering_norms(torch.stack([steered[a][0] for a in layers]), torch.stack([plain_run[a][0] for a in layers]),
+    stack = lambda run: torch.stack([run[a][0] for a in layers])  # noqa: E731  [layer, pos, d_model]
+    norms = plot_steering_norms(stack(steered), stack(plain_run),
                                 layer_labels=[str(a) for a in layers], path=out / "steering_norms.png",
                                 title=f"Add at {point}, scale 2: effect on resid_post")
     print(f"6. pictures: {grid}, {norms}")

@@ -54,9 +54,8 @@ def harvest(model: ModelHandle, prompts: str | os.PathLike | Iterable, points: S
     takes `chunk_prompts` prompts (enough to fill vLLM's batch); a shard closes at the first chunk boundary
     at or past `shard_tokens` tokens. Activations are stored in `dtype` (default: the model's).
     Memory holds two shards (one being written in the background) and one chunk's padded capture, whatever
-    the input size. A rerun into the same
-    folder skips finished shards (after checking their prompts are the same) and resumes after them.
-    Returns the harvest, read back lazily (`load_harvest`).
+    the input size. A rerun into the same folder skips finished shards (after checking their prompts are the
+    same) and resumes after them. Returns the harvest, read back lazily (`load_harvest`).
     """
     for name, value in (("shard_tokens", shard_tokens), ("chunk_prompts", chunk_prompts)):
         if isinstance(value, bool) or value < 1:
@@ -188,7 +187,8 @@ def _source(prompts, field: str) -> tuple[Iterator, int | None, str]:
             raise SpecError(fix(f"{path} holds no prompts.", "put one prompt per line (blank lines are skipped)."))
         return _lines(path, jsonl, field), count, str(path)
     if isinstance(prompts, torch.Tensor) or not isinstance(prompts, Iterable) or isinstance(prompts, bytes):
-        raise InputTypeError(fix(f"prompts must be a file path or an iterable of prompts, got {type(prompts).__name__}.",
+        kind = type(prompts).__name__
+        raise InputTypeError(fix(f"prompts must be a file path or an iterable of prompts, got {kind}.",
                                  'pass "prompts.txt", or a list of strings or of token-id lists.'))
     return iter(prompts), (len(prompts) if isinstance(prompts, Sized) else None), "the prompts"
 
@@ -204,11 +204,12 @@ def _lines(path: Path, jsonl: bool, field: str) -> Iterator:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise SpecError(fix(f"{path}:{number} is not JSON ({e.msg}).", "write one JSON object per line.")) from None
+                raise SpecError(fix(f"{path}:{number} is not JSON ({e.msg}).",
+                                    "write one JSON object per line.")) from None
             value = record.get(field) if isinstance(record, dict) else None
             if not isinstance(value, str):
-                raise SpecError(fix(f"{path}:{number} has no string field {field!r}"
-                                    + (f" (it has {', '.join(map(repr, record))})." if isinstance(record, dict) else "."),
+                has = f" (it has {', '.join(map(repr, record))})." if isinstance(record, dict) else "."
+                raise SpecError(fix(f"{path}:{number} has no string field {field!r}{has}",
                                     f"give every line a {field!r} string, or name the field that holds the text "
                                     "(field=... / --field)."))
             yield value
@@ -236,8 +237,9 @@ def _skip_finished(source: Iterator, manifest: dict, tokenize, out: Path) -> int
             _digest(tokenize(chunk), h)
             seen += len(chunk)
         if seen != shard["prompts"] or h.hexdigest() != shard["token_digest"]:
+            first, last = shard["first_prompt"], shard["first_prompt"] + shard["prompts"] - 1
             raise SpecError(fix(f"the prompts differ from those {out} was harvested from: shard {i} (prompts "
-                                f"{shard['first_prompt']}..{shard['first_prompt'] + shard['prompts'] - 1}) does not match.",
+                                f"{first}..{last}) does not match.",
                                 "pass the same prompts to resume, or harvest into a new folder."))
         done += seen
     return done
@@ -260,7 +262,8 @@ def _open(out: Path, identity: dict) -> dict:
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
-        raise SpecError(fix(f"cannot write to {out}: {e.strerror or e}.", "choose a folder you can write to.")) from None
+        raise SpecError(fix(f"cannot write to {out}: {e.strerror or e}.",
+                            "choose a folder you can write to.")) from None
     for stale in out.glob(f"{_TMP}*"):  # a run killed while writing: never listed, never looks complete
         stale.unlink(missing_ok=True)
     existing = _read_manifest(out)
@@ -272,7 +275,8 @@ def _open(out: Path, identity: dict) -> dict:
     elif existing.get("shards"):
         differ = [k for k in IDENTITY if existing.get(k) != identity[k]]
         if differ:
-            lines = "; ".join(f"{k}: folder has {_short(existing.get(k))}, this run {_short(identity[k])}" for k in differ)
+            lines = "; ".join(f"{k}: folder has {_short(existing.get(k))}, this run {_short(identity[k])}"
+                              for k in differ)
             raise SpecError(fix(f"{out} holds a harvest made with other settings ({lines}).",
                                 "rerun with the folder's settings to resume it, or harvest into a new folder."))
         return existing

@@ -38,7 +38,8 @@ def plot_attention(pattern: torch.Tensor, *, token_labels: list[str], path: str 
     if pattern.ndim != 3 or pattern.shape[1] != pattern.shape[2] or pattern.shape[1] != len(token_labels):
         raise SpecError(fix(f"plot_attention wants [n_heads, pos, pos] and one label per position; got "
                             f"{tuple(pattern.shape)} and {len(token_labels)} labels.",
-                            'pass one prompt\'s pattern, e.g. capture(model, text, ["attn_probs.0"])["attn_probs.0"][0].'))
+                            "pass one prompt's pattern, e.g. capture(model, text, "
+                            '["attn_probs.0"])["attn_probs.0"][0].'))
     n_heads, n = pattern.shape[0], pattern.shape[1]
     cols = min(n_heads, 4)
     rows = -(-n_heads // cols)
