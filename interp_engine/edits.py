@@ -145,3 +145,35 @@ def apply(op, x: Tensor, info: PointInfo, step: Step) -> Tensor:
     if mask is None:
         return new
     return torch.where(_expand_mask(mask, x, info), new, x)
+
+
+def affine(ops, like: Tensor, info: PointInfo, step: Step) -> tuple[Tensor, Tensor]:
+    """`(mul, add)` such that applying `ops` in order to x gives `x * mul + add`, for ops that act on each element
+    alone (every op but mean ablation and Custom). For a compiled graph, which cannot branch on a request: one op
+    leaves x exactly as `apply` would (x * 1 == x, 0 + v == v); several compose to within rounding."""
+    mul, add = torch.ones_like(like), torch.zeros_like(like)
+    for op in ops:
+        mask = select(op.positions, step)
+        in_range = None
+        if isinstance(op, Add):
+            v, in_range = _value(op.vector.tensor, like, info, step)
+            new_mul, new_add = mul, add + op.scale * v
+        elif isinstance(op, Set | Patch):
+            v, in_range = _value((op.value if isinstance(op, Set) else op.source).tensor, like, info, step)
+            new_mul, new_add = torch.zeros_like(mul), v.expand_as(add)
+        elif isinstance(op, Scale | Ablate) and not (isinstance(op, Ablate) and op.how != "zero"):
+            factor = op.factor if isinstance(op, Scale) else 0.0
+            m = torch.full_like(like, factor) if op.heads is None else \
+                torch.where(_head_mask(op.heads, like, info), factor, 1.0).to(like.dtype).expand_as(like)
+            new_mul, new_add = mul * m, add * m
+        else:
+            raise SpecError(fix(f"{type(op).__name__} at {op.point} cannot be compiled into a static tap.",
+                                'use Add/Set/Scale/Ablate(how="zero")/Patch, or backend="eager".'))
+        if in_range is not None:
+            mask = in_range if mask is None else mask & in_range
+        if mask is None:
+            mul, add = new_mul, new_add
+        else:
+            keep = _expand_mask(mask, like, info)
+            mul, add = torch.where(keep, new_mul, mul), torch.where(keep, new_add, add)
+    return mul, add

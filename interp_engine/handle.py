@@ -12,6 +12,7 @@ from torch import Tensor
 from interp_engine.addresses import POINTS, Address
 from interp_engine.arch import Arch, Dims
 from interp_engine.errors import SpecError, fix
+from interp_engine.taps import Taps
 
 
 # Not slotted: a frozen, slotted dataclass answers an assignment to a non-field name (a property such as
@@ -29,6 +30,7 @@ class ModelHandle:
     arch: Arch
     dims: Dims
     runtime: Any = field(repr=False, compare=False)
+    taps: Taps | None = None  # vllm-static: the points its engine is compiled to read and write
 
     n_layers = property(lambda self: self.dims.n_layers)
     d_model = property(lambda self: self.dims.d_model)
@@ -52,7 +54,9 @@ class ModelHandle:
         await asyncio.to_thread(self.runtime.unload)
 
     def points(self) -> tuple[Address, ...]:
-        """Every address this handle can serve, in point-table order."""
+        """Every address this handle can read, in point-table order (on vllm-static: the declared ones)."""
+        if self.taps is not None:
+            return tuple(sorted(self.taps.readable(), key=lambda a: (list(POINTS).index(a.point), a.layer or 0)))
         out = []
         for info in POINTS.values():
             if info.needs_eager_attention and self.backend == "eager" and self.attn_implementation != "eager":

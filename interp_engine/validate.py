@@ -107,6 +107,8 @@ def plan(model, spec: Spec, reads: Iterable[Address], *, n_prompts: int, longest
         if isinstance(op, Custom) and model.backend != "eager":
             problems.append(BackendError(fix(f"Custom at {address} holds a Python function, which never crosses into a vLLM "
                                 "worker.", 'use backend="eager" for Custom ops, or express it with Add/Set/Scale/Ablate.')))
+        if model.taps is not None and (refused := model.taps.refusal(address, write=True)) is not None:
+            problems.append(refused)
         feat = feature_shape(address, model.dims, longest)
         if isinstance(op, Add | Set | Patch):
             name = {Add: "vector", Set: "value", Patch: "source"}[type(op)]
@@ -133,6 +135,8 @@ def plan(model, spec: Spec, reads: Iterable[Address], *, n_prompts: int, longest
         if generating and resolved.info.needs_eager_attention:
             problems.append(SpecError(fix(f"{resolved} cannot be captured while generating: the pattern grows every step.",
                                 "capture it afterwards: capture(model, out.sequences, [...]).")))
+        if model.taps is not None and (refused := model.taps.refusal(resolved, write=False)) is not None:
+            problems.append(refused)
         resolved_reads.append(resolved)
     if len(problems) == 1:
         raise problems[0]

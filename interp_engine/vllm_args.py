@@ -56,6 +56,10 @@ def check_extra(extra: Any, backend: str) -> dict[str, Any]:
         raise SpecError(fix(f"extra_vllm_kwargs sets {', '.join(hooks)}, which backend=\"vllm\" fixes: its hooks "
                             "need an uncompiled model (enforce_eager=True) and interp_engine's worker extension.",
                             f'drop {", ".join(hooks)}; backend="vllm-generate" runs a plain engine.'))
+    if backend == "vllm-static" and hooks and hooks != ["enforce_eager"]:
+        taken = [h for h in hooks if h != "enforce_eager"]
+        raise SpecError(fix(f"extra_vllm_kwargs sets {', '.join(taken)}, which backend=\"vllm-static\" fixes: its "
+                            "taps are installed by interp_engine's worker class.", f'drop {", ".join(taken)}.'))
     unknown = sorted(k for k in extra if k not in engine_arg_names())
     if unknown:
         near = difflib.get_close_matches(unknown[0], sorted(engine_arg_names()), n=1, cutoff=0.0)

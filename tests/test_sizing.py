@@ -207,18 +207,22 @@ def test_a_checkpoint_that_ships_quantized_is_priced_as_shipped():
     assert any("ships quantized (awq)" in n and "upper bound" in n for n in upper.notes)
 
 
-def test_static_points_price_one_step_of_rows_per_point():
+def test_static_points_price_the_buffers_the_taps_allocate():
+    """One step of rows per tapped point at this rank's width, plus the final norm's output (logits come from
+    it); an attention pattern is recomputed from its layer's q and k, so those are what it costs."""
     points = ["resid_post.10", "mlp_act.3", "q.0", "k.-1"]
-    widths = 5120 + 25600 + 64 * 128 + 8 * 128
+    widths = 5120 + 25600 + 64 * 128 + 8 * 128 + 5120
     on_h100 = estimate_from_config(QWEN3_32B, backend="vllm-static", static_points=points, max_model_len=4096)
     assert on_h100.capture_bytes == 16_384 * widths * 2  # vLLM's 16k-token step on an 80 GB card, bf16
     on_a100 = estimate_from_config(QWEN3_32B, backend="vllm-static", static_points=points, gpu="A100-80GB")
     assert on_a100.capture_bytes == 8_192 * widths * 2  # vLLM keeps A100s at 8k tokens per step
+    sharded = estimate_from_config(QWEN3_32B, backend="vllm-static", static_points=points, num_gpus=4)
+    assert sharded.capture_bytes == 16_384 * (5120 + 25600 // 4 + 16 * 128 + 2 * 128 + 5120) * 2
     auto = estimate_from_config(QWEN3_32B, backend="vllm-static", static_points="auto", num_gpus=4)
     assert auto.static_points == tuple(f"resid_post.{layer}" for layer in range(64))
-    assert auto.capture_bytes == 64 * 16_384 * 5120 * 2  # whole on every GPU: values are gathered
+    assert auto.capture_bytes == 65 * 16_384 * 5120 * 2  # the residual stream is whole on every rank
     scores = estimate_from_config(QWEN3_32B, backend="vllm-static", static_points=["attn_probs.0"], max_model_len=1024)
-    assert scores.capture_bytes == 16_384 * 64 * 1024 * 2  # n_heads x k_pos per token
+    assert scores.capture_bytes == 16_384 * (64 * 128 + 8 * 128 + 5120) * 2
 
 
 def test_kv_heads_are_replicated_when_gpus_outnumber_them():

