@@ -7,6 +7,7 @@ from interp_engine.errors import (BackendError, InputTypeError, InterpEngineErro
                                   SpecError)
 from interp_engine.func import Generation, Gradients, capture, generate, logit_lens, run_with_grad, steer
 from interp_engine.handle import ModelHandle
+from interp_engine.harvest import Harvest, harvest, load_harvest
 from interp_engine.loading import BackendSelection, load_model, select_backend, vllm_installed
 from interp_engine.spec import Spec
 from interp_engine.warnings import BackendFallbackWarning, InterpEngineWarning
@@ -16,6 +17,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Address", "Cache", "ModelHandle", "Spec", "spec", "load_model", "select_backend", "vllm_installed",
     "BackendSelection", "capture", "steer", "generate", "logit_lens", "run_with_grad", "Generation", "Gradients",
+    "harvest", "load_harvest", "Harvest",
     "InterpEngineError", "PointError", "SpecError", "BackendError", "LoadError", "InputTypeError",
     "InterpEngineWarning", "BackendFallbackWarning", "__version__",
 ]

@@ -4,6 +4,7 @@ No torch import here: addresses are plain data that travel to workers and into J
 """
 
 import difflib
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -98,6 +99,8 @@ class Address:
         if not isinstance(text, str):
             raise PointError(fix(f"cannot read an address from {type(text).__name__} {text!r}.",
                                  'pass a string like "resid_post.10" or an Address.'))
+        if is_tl_name(text.strip()):
+            return cls(*_from_tl(text.strip()))
         name, dot, layer = text.strip().rpartition(".")
         if not dot:
             return cls(text.strip())
@@ -110,6 +113,15 @@ class Address:
     @property
     def info(self) -> PointInfo:
         return POINTS[self.point]
+
+    @property
+    def tl_name(self) -> str | None:
+        """TransformerLens's hook name for this point (`blocks.10.hook_resid_post`); None for `logits`, which TL
+        returns from the forward rather than hooking."""
+        suffix = _TL_OF_POINT.get(self.point)
+        if suffix is None or self.layer is None:
+            return suffix
+        return f"blocks.{self.layer}.{suffix}"
 
     def resolve(self, n_layers: int, *, model_name: str = "this model") -> "Address":
         """Turn a negative layer into a positive one; refuse a layer the model does not have."""
@@ -128,3 +140,79 @@ class Address:
 
     def __repr__(self) -> str:
         return f"Address({self.point!r})" if self.layer is None else f"Address({self.point!r}, {self.layer})"
+
+
+# ------------------------------------------------------------------------------------- TransformerLens names
+# TL hook name -> our point. Per-layer names live under `blocks.L.`. Where TL has two names for what we hold
+# as one point, the first listed is the spelling `tl_name` gives back.
+_TL_PER_LAYER: dict[str, str] = {
+    "hook_resid_pre": "resid_pre",
+    # Ours are after rotary (what attention sees): exactly TL's hook_rot_q/hook_rot_k on rotary models, and
+    # TL's hook_q/hook_k on models without rotary (GPT-2). TL's pre-rotary q/k have no counterpart here.
+    "attn.hook_q": "q", "attn.hook_rot_q": "q",
+    "attn.hook_k": "k", "attn.hook_rot_k": "k",
+    "attn.hook_v": "v",
+    "attn.hook_z": "z",
+    "attn.hook_attn_scores": "attn_scores",  # both: pre-softmax, scaled, masked keys -inf
+    "attn.hook_pattern": "attn_probs",
+    "hook_attn_out": "attn_out",
+    "hook_resid_mid": "resid_mid",
+    "mlp.hook_post": "mlp_act",  # input of the down projection (TL: after act, times the gate's up half)
+    "hook_mlp_out": "mlp_out",
+    "hook_resid_post": "resid_post",
+}
+_TL_MODEL: dict[str, str] = {
+    "hook_embed": "embed",  # ours includes learned positions (GPT-2): TL's hook_embed + hook_pos_embed there
+    "ln_final.hook_normalized": "final",
+}
+# TL names with no equivalent, each with the nearest point and what the TL hook holds instead.
+_TL_NEAREST_PER_LAYER: dict[str, tuple[str, str]] = {
+    "ln1.hook_scale": ("resid_pre", "a LayerNorm scale factor"),
+    "ln1.hook_normalized": ("resid_pre", "the normalised input of attention"),
+    "hook_attn_in": ("resid_pre", "a per-head copy of the attention input"),
+    "hook_q_input": ("resid_pre", "a per-head copy of the query input"),
+    "hook_k_input": ("resid_pre", "a per-head copy of the key input"),
+    "hook_v_input": ("resid_pre", "a per-head copy of the value input"),
+    "attn.hook_result": ("z", "per-head outputs (z times each head's slice of W_O)"),
+    "ln1_post.hook_normalized": ("attn_out", "Gemma-2's post-attention norm output (our attn_out there)"),
+    "ln2.hook_scale": ("resid_mid", "a LayerNorm scale factor"),
+    "ln2.hook_normalized": ("resid_mid", "the normalised input of the MLP"),
+    "hook_mlp_in": ("resid_mid", "a copy of the MLP input"),
+    "mlp.hook_pre": ("mlp_act", "the MLP pre-activation"),
+    "mlp.hook_pre_linear": ("mlp_act", "the up projection of a gated MLP"),
+    "ln2_post.hook_normalized": ("mlp_out", "Gemma-2's post-MLP norm output (our mlp_out there)"),
+}
+_TL_NEAREST_MODEL: dict[str, tuple[str, str]] = {
+    "hook_pos_embed": ("embed", "learned positional embeddings alone"),
+    "ln_final.hook_scale": ("final", "a LayerNorm scale factor"),
+}
+_TL_OF_POINT: dict[str, str] = {
+    **{point: name for name, point in reversed(list(_TL_PER_LAYER.items()))},
+    **{point: name for name, point in _TL_MODEL.items()},
+}
+_TL_BLOCK = re.compile(r"blocks\.(-?\d+)\.(.+)")
+
+
+def is_tl_name(text: str) -> bool:
+    """True for TransformerLens spellings: `blocks.L.hook_...`, `hook_...`, `ln_final.hook_...`."""
+    return text.startswith(("blocks.", "hook_", "ln_final."))
+
+
+def _from_tl(text: str) -> tuple[str, int | None]:
+    block = _TL_BLOCK.fullmatch(text)
+    layer, name = (int(block[1]), block[2]) if block else (None, text)
+    table, nearest = (_TL_PER_LAYER, _TL_NEAREST_PER_LAYER) if block else (_TL_MODEL, _TL_NEAREST_MODEL)
+    if name in table:
+        return table[name], layer
+    if name in nearest:
+        point, what = nearest[name]
+        address = Address(point, layer)
+        raise PointError(fix(f"{text!r} is a TransformerLens hook with no equivalent here: it holds {what}.",
+                             f"the nearest point is {address} (TL's {address.tl_name}); capture it and derive "
+                             "the rest."))
+    loose = re.match(r"blocks\.(-?\d+)", text)  # keep the user's layer in the suggestion
+    at = int(loose[1]) if loose else 0
+    near = difflib.get_close_matches(text, [*(f"blocks.{at}.{n}" for n in _TL_PER_LAYER), *_TL_MODEL],
+                                     n=1, cutoff=0.0)[0]
+    raise PointError(fix(f"{text!r} is not a TransformerLens hook name that maps to a point here.",
+                         f"did you mean {near!r} ({Address.parse(near)})? Our points: {', '.join(POINTS)}."))

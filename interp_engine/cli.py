@@ -1,6 +1,10 @@
-"""The `interp-engine` command. `interp-engine size REPO_OR_PATH ...` runs the GPU sizer on config.json alone.
+"""The `interp-engine` command.
 
-Exit status of `size`: 0 when it fits, 1 when it does not, 2 for bad input (the error says the fix).
+`interp-engine size REPO_OR_PATH ...` runs the GPU sizer on config.json alone. Exit status: 0 when it fits, 1
+when it does not, 2 for bad input (the error says the fix).
+
+`interp-engine harvest MODEL --points resid_post.10 --prompts FILE --out DIR` streams activations to sharded
+safetensors files (interp_engine.harvest); rerun it to resume. Exit status: 0 done, 2 bad input.
 """
 
 import argparse
@@ -30,11 +34,60 @@ def _parser() -> argparse.ArgumentParser:
     size.add_argument("--gpu", default="H100-80GB", help=f"one of {', '.join(GPUS_MIB)} (default H100-80GB)")
     size.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of each GPU to use (0.9)")
     size.add_argument("--dtype", default="auto", help="auto (the checkpoint's), bfloat16, float16 or float32")
+    _harvest_parser(commands)
     return parser
+
+
+def _harvest_parser(commands) -> None:
+    harvest = commands.add_parser(
+        "harvest", help="capture activations on many prompts into sharded safetensors files",
+        description="Capture activations at the points on every prompt and stream them to sharded safetensors "
+                    "files with a JSON manifest. Rerunning the same command resumes an interrupted run.",
+        epilog="exit status: 0 done, 2 bad input")
+    harvest.add_argument("model", help="a checkpoint folder or a repo id in the local HF cache")
+    harvest.add_argument("--points", required=True,
+                         help='comma-separated, ours or TransformerLens names: "resid_post.10,blocks.3.hook_mlp_out"')
+    harvest.add_argument("--prompts", required=True, help="a text file (one prompt per line) or a .jsonl file")
+    harvest.add_argument("--field", default="text", help="the JSONL field holding each prompt (default text)")
+    harvest.add_argument("--out", required=True, help="output folder (new, empty, or an unfinished harvest)")
+    harvest.add_argument("--backend", default="auto", help="auto (default), vllm, vllm-static or eager")
+    harvest.add_argument("--device", default=None, help="eager: cpu, cuda, mps (default: the best available)")
+    harvest.add_argument("--model-dtype", default="auto", help="dtype the model runs in (default auto)")
+    harvest.add_argument("--dtype", default=None, help="dtype of the stored activations (default: the model's)")
+    harvest.add_argument("--shard-tokens", type=int, default=65536, help="tokens per shard, at least (65536)")
+    harvest.add_argument("--chunk-prompts", type=int, default=256, help="prompts per capture call (256)")
+    harvest.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _harvest(args) -> int:
+    import asyncio
+
+    from interp_engine.harvest import harvest
+    from interp_engine.loading import load_model
+
+    points = [p.strip() for p in args.points.split(",") if p.strip()]
+    keywords = {"static_points": points} if args.backend == "vllm-static" else {}
+    try:
+        model = load_model(args.model, backend=args.backend, device=args.device, dtype=args.model_dtype, **keywords)
+    except InterpEngineError as e:
+        print(f"interp-engine harvest: {e}", file=sys.stderr)
+        return 2
+    try:
+        done = harvest(model, args.prompts, points, args.out, shard_tokens=args.shard_tokens, dtype=args.dtype,
+                       chunk_prompts=args.chunk_prompts, field=args.field, progress=not args.no_progress)
+    except InterpEngineError as e:
+        print(f"interp-engine harvest: {e}", file=sys.stderr)
+        return 2
+    finally:
+        asyncio.run(model.shutdown())
+    print(f"{done!r}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "harvest":
+        return _harvest(args)
     from interp_engine.sizing import estimate
 
     points = args.static_points

@@ -1,5 +1,6 @@
 """The main job, end to end on a model built here (no network): capture, steer, generate with steering, read
-the logit lens, take a gradient, and draw the lens as a heatmap.
+the logit lens, take a gradient, and draw pictures: the lens as a heatmap, one layer's attention patterns,
+and the steering edit's effect on the residual stream layer by layer.
 
     python -m interp_engine.demo --out out/demo
 """
@@ -13,7 +14,7 @@ import torch
 
 from interp_engine import Address, capture, generate, load_model, logit_lens, run_with_grad, steer
 from interp_engine import spec as S
-from interp_engine.plot import plot_logit_lens
+from interp_engine.plot import plot_attention, plot_logit_lens, plot_steering_norms
 from interp_engine.tiny import build_tiny_model
 
 
@@ -76,6 +77,17 @@ def main(argv: list[str] | None = None) -> None:
     for address in layers:
         norms = result.grads[address][0].norm(dim=-1)
         print(f"   {str(address):13s}" + " ".join(f"{n:7.3f}" for n in norms.tolist()))
+
+    # 6. Pictures of steps 1 and 2: attention at layer 0, and how far the steering edit moves resid_post.
+    grid = plot_attention(cache["attn_probs.0"][0], token_labels=labels, path=out / "attention_layer0.png",
+                          title=f"attn_probs.0: {paris!r}")
+    steered = capture(model, paris, layers, steering, progress=False)
+    plain_run = capture(model, paris, layers, progress=False)
+    stack = lambda run: torch.stack([run[a][0] for a in layers])  # noqa: E731  [layer, pos, d_model]
+    norms = plot_steering_norms(stack(steered), stack(plain_run),
+                                layer_labels=[str(a) for a in layers], path=out / "steering_norms.png",
+                                title=f"Add at {point}, scale 2: effect on resid_post")
+    print(f"6. pictures: {grid}, {norms}")
 
     asyncio.run(model.shutdown())
     print(f"\ndone in {time.perf_counter() - started:.1f}s; outputs in {out}/")
