@@ -127,6 +127,7 @@ class VllmRuntime(TokenizerRuntime):
         finally:
             del llm
             gc.collect()
+            _close_children({p.pid for p in procs}, grace)
             _, alive = psutil.wait_procs(procs, timeout=grace)
             for process in alive:
                 process.kill()
@@ -337,6 +338,21 @@ def _running(processes: list) -> bool:
         except psutil.NoSuchProcess:
             return False
     return True
+
+
+def _close_children(pids: set[int], timeout: float) -> None:
+    """Join and close the multiprocessing handles of these processes (the engine core is our child). Each open
+    handle holds two pipe descriptors, and vLLM's shutdown leaves them open: two leaked per load otherwise."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        if child.pid in pids:
+            child.join(timeout)
+            if child.exitcode is None:
+                child.kill()
+                child.join(5)
+            with contextlib.suppress(ValueError):  # still running: psutil kills it next
+                child.close()
 
 
 def resource_tracker_pid() -> int | None:
