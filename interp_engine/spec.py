@@ -19,7 +19,8 @@ from interp_engine.errors import InputTypeError, InterpEngineError, SpecError, f
 
 # ---------------------------------------------------------------------------------------------- tensors
 
-_FLOAT_DTYPES: dict[str, torch.dtype] = {str(t).removeprefix("torch."): t for t in vars(torch).values()
+# Every floating dtype by its torch name ("float32", and aliases such as "float" and "half"), built once here.
+_FLOAT_DTYPES: dict[str, torch.dtype] = {name: t for name, t in vars(torch).items()
                                          if isinstance(t, torch.dtype) and t.is_floating_point}
 
 
