@@ -539,10 +539,10 @@ def _engine_state(model) -> tuple[int, list[dict]]:
 
 
 VLLM_REQUESTS = [
-    pytest.param(lambda m: capture(m, [[1] * 65], ["resid_post.0"]), SpecError,
-                 ("65 tokens; the model takes at most 64", "truncate it to 64 tokens"), id="prompt-past-max_model_len"),
+    pytest.param(lambda m: capture(m, [[1] * 64], ["resid_post.0"]), SpecError,
+                 ("64 tokens; the model takes at most 63", "truncate it to 63 tokens"), id="prompt-past-max_model_len"),
     pytest.param(lambda m: generate(m, [[1] * 60], max_new_tokens=8), SpecError,
-                 ("plus 8 new ones exceeds the model's 64 positions",), id="generate-past-max_model_len"),
+                 ("plus 8 new ones exceeds the model's 63 positions",), id="generate-past-max_model_len"),
     pytest.param(lambda m: capture(m, [[1, 2, 512]], ["resid_post.0"]), SpecError,
                  ("outside the vocabulary (0..511)", "[512]"), id="token-past-vocab"),
     pytest.param(lambda m: steer(m, PROMPT, S.Add("resid_post.0", torch.full((128,), float("nan")))), SpecError,
@@ -585,9 +585,10 @@ def test_bad_request_on_vllm_refused_before_any_request(served, call, error, fra
 
 
 @requires("vllm")
-def test_a_prompt_of_exactly_max_model_len_is_served(served):
-    cache = capture(served, [[1] * 64], ["resid_post.2"], progress=False)
-    assert cache["resid_post.2"].shape == (1, 64, 128)
+def test_the_longest_prompt_vllm_accepts_is_served(served):
+    # vLLM keeps one of max_model_len's positions for the token it predicts: 63 of 64 for a prompt.
+    cache = capture(served, [[1] * 63], ["resid_post.2"], progress=False)
+    assert cache["resid_post.2"].shape == (1, 63, 128)
 
 
 @requires("vllm")
