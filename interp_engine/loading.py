@@ -4,6 +4,7 @@ Everything a call can get wrong is refused here, before any weight is read: the 
 they belong, the quantization scheme and KV cache dtype for the backend, and the device count.
 """
 
+import dataclasses
 import os
 import warnings
 from typing import Any
@@ -163,6 +164,9 @@ def _load_vllm(repo_id: str, source: str, config, selection: BackendSelection, h
                                       or not 0 < max_model_len <= dims.max_len):
         raise SpecError(fix(f"max_model_len={max_model_len!r} is outside this model's 1..{dims.max_len} positions "
                             "(max_position_embeddings in config.json).", f"use at most {dims.max_len}, or leave it unset."))
+    # The engine's limit, checked before any request: vLLM wants room for one output token after the prompt, so a
+    # prompt may hold max_model_len - 1 tokens (max_model_len defaults to max_position_embeddings).
+    dims = dataclasses.replace(dims, max_len=(max_model_len or dims.max_len) - 1)
     engine = vllm_args.engine_kwargs(extra, quantization=Q.vllm_engine_quantization(quantization),
                                      max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
                                      kv_cache_dtype=kv_cache_dtype)

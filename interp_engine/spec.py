@@ -19,6 +19,10 @@ from interp_engine.errors import InputTypeError, InterpEngineError, SpecError, f
 
 # ---------------------------------------------------------------------------------------------- tensors
 
+# Every floating dtype by its torch name ("float32", and aliases such as "float" and "half"), built once here.
+_FLOAT_DTYPES: dict[str, torch.dtype] = {name: t for name, t in vars(torch).items()
+                                         if isinstance(t, torch.dtype) and t.is_floating_point}
+
 
 @dataclass(frozen=True, slots=True)
 class TensorData:
@@ -59,8 +63,9 @@ class TensorData:
         remedy = "pass the {dtype, shape, data} dict that Spec.to_dict() wrote, unchanged."
         if not isinstance(d, Mapping) or not {"dtype", "shape", "data"} <= set(d):
             raise SpecError(fix(f"{what} is not a tensor dict (dtype, shape, data).", remedy))
-        dtype = getattr(torch, str(d["dtype"]), None)
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        # A fixed table, not getattr(torch, name): a name read from a file never reaches an attribute lookup.
+        dtype = _FLOAT_DTYPES.get(d["dtype"]) if isinstance(d["dtype"], str) else None
+        if dtype is None:
             raise SpecError(fix(f"{what}: unknown tensor dtype {d['dtype']!r}.",
                                 'use a floating dtype name such as "float32" or "bfloat16".'))
         shape = d["shape"]
@@ -122,7 +127,11 @@ class Positions:
                 if not value:
                     raise SpecError(fix("positions=[] selects nothing.", 'use "all", "last" or at least one index.'))
                 return cls("indices", indices=tuple(value))
-            return cls("per_prompt", per_prompt=tuple(cls.of(v) for v in value))
+            entries = tuple(cls.of(v) for v in value)
+            if any(e.kind == "per_prompt" for e in entries):
+                raise SpecError(fix(f"positions {value!r} nest one list per prompt inside another.",
+                                    'give one entry per prompt, each "all", "last", an int, a list of ints or a slice.'))
+            return cls("per_prompt", per_prompt=entries)
         raise SpecError(fix(f"cannot read positions from {value!r}.",
                             'use "all", "last", an int, a list of ints, a slice, or one of those per prompt.'))
 
@@ -142,7 +151,7 @@ class Positions:
                 raise SpecError(fix(f"positions {d!r} is not a slice.", 'write {"slice": [start, stop, step]}.'))
             return cls.of(slice(*d["slice"]))
         if isinstance(d, Mapping) and "per_prompt" in d:
-            return cls("per_prompt", per_prompt=tuple(cls.from_dict(p) for p in d["per_prompt"]))
+            return cls.of([cls.from_dict(p) for p in d["per_prompt"]])
         return cls.of(d)
 
 
@@ -162,7 +171,8 @@ def _norm_heads(obj: Any) -> None:
         return
     if isinstance(heads, int) and not isinstance(heads, bool):
         heads = (heads,)
-    if not isinstance(heads, Sequence) or not heads or not all(isinstance(h, int) for h in heads):
+    if not isinstance(heads, Sequence) or not heads or not all(isinstance(h, int) and not isinstance(h, bool)
+                                                               for h in heads):
         raise SpecError(fix(f"heads={obj.heads!r} is not a list of head indices.", "write heads=[0, 3]."))
     object.__setattr__(obj, "heads", tuple(heads))
 

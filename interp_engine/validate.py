@@ -55,11 +55,16 @@ def _check_value(op, name: str, shape: tuple[int, ...], address: Address, feat: 
         if shape[0] in (1, n_prompts) and rest_ok:
             return
     axes = " ".join(a for a in address.info.axes if a not in ("batch", "pos", "q_pos"))
-    one = f"{feat} (one position: {axes})" if address.info.pos_axis == 1 else "no per-position form"
     whole = "1" if n_prompts == 1 else f"{n_prompts} or 1"
+    if address.info.pos_axis == 1:
+        remedy = f"pass a {name} of shape {feat} (one position: {axes}), or the whole point ({whole}, pos, ...) as " \
+                 "a capture returns it."
+    else:  # attention patterns have no per-position form: one query row depends on the keys it sees
+        remedy = f"pass the whole point ({whole}, {feat[0]}, q_pos, k_pos) as a capture returns it, e.g. an edited " \
+                 f'copy of capture(model, tokens, ["{address}"])["{address}"].'
     problems.append(SpecError(fix(
         f"{type(op).__name__} at {address}: {name} has shape {shape}, but {address.point} holds {feat} per position.",
-        f"pass a {name} of shape {one}, or the whole point ({whole}, pos, ...) as a capture returns it.")))
+        remedy)))
 
 
 def _check_positions(positions: Positions, address: Address, n_prompts: int, longest: int, generating: bool,

@@ -1,5 +1,11 @@
-"""Every bad input gets one clear error naming the fix, raised before any forward pass; the handle still works."""
+"""Every bad input gets one clear error naming the fix, raised before any forward pass; the handle still works.
 
+Decisions the cases pin down: NaN and +inf in a vector are refused (-inf only in attn_scores values, a masked key);
+conflicting ops at one point are not an error (they apply in spec order, so a later Set wins); a point named twice
+in one capture (even as resid_post.0 and resid_post.-3) is read once.
+"""
+
+import asyncio
 import base64
 import contextlib
 import json
@@ -9,9 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from interp_engine import Address, Spec, capture, load_model, run_with_grad, steer
+from interp_engine import Address, Spec, capture, generate, load_model, logit_lens, run_with_grad, steer
 from interp_engine import spec as S
 from interp_engine.errors import BackendError, InputTypeError, InterpEngineError, LoadError, PointError, SpecError
+from tests.skips import requires
 
 PROMPT = "Hello, world! Tell me a story"
 
@@ -105,12 +112,221 @@ REQUESTS = [
                                                                positions=[[0], [1], [0]])),
                  SpecError, ("3 entries for 2 prompts", "one positions entry per prompt"),
                  id="per-prompt-positions-wrong-count"),
+    # wrong types reach an InputTypeError naming what the parameter takes (not a type-checker dump)
+    pytest.param(lambda m: capture(m, None, ["resid_post.0"]), InputTypeError,
+                 ("capture(): tokens=None", "a list of strings, model.to_tokens(text)"), id="tokens-none"),
+    pytest.param(lambda m: capture(m, [[1.5, 2.0]], ["resid_post.0"]), InputTypeError,
+                 ("tokens=[[1.5, 2.0]]", "a list of token-id lists"), id="tokens-float-lists"),
+    pytest.param(lambda m: capture(m, torch.zeros(1, 2, 3, dtype=torch.long), ["resid_post.0"]), SpecError,
+                 ("shape (1, 2, 3); expected [batch, pos]",), id="tokens-3d"),
+    pytest.param(lambda m: capture(m, [PROMPT, [1, 2]], ["resid_post.0"]), InputTypeError,
+                 ("mixes strings and token ids", "all strings or all id lists"), id="tokens-mixed"),
+    pytest.param(lambda m: capture(m, [[1] * 600], ["resid_post.0"]), SpecError,
+                 ("600 tokens; the model takes at most 512", "truncate it to 512 tokens"), id="prompt-too-long"),
+    pytest.param(lambda m: capture(m, _tokens(m), None), InputTypeError,
+                 ("points=None", '["resid_post.3", Address("attn_out", 0)]'), id="points-none"),
+    pytest.param(lambda m: capture(m, _tokens(m), [3]), InputTypeError, ("points=[3]",), id="points-int"),
+    pytest.param(lambda m: capture(m, _tokens(m), []), SpecError,
+                 ("points=[]: no point to read", "steer() returns the logits"), id="points-empty"),
+    pytest.param(lambda m: capture("llama", PROMPT, ["resid_post.0"]), InputTypeError,
+                 ("model='llama'", 'load_model("path/or/repo")'), id="model-not-a-handle"),
+    pytest.param(lambda m: steer(m, _tokens(m), {"op": "Add"}), InputTypeError,
+                 ("spec={'op': 'Add'}", "Spec.from_dict(json.load(f))"), id="spec-as-dict"),
+    pytest.param(lambda m: steer(m, _tokens(m), "resid_post.0"), InputTypeError,
+                 ("spec='resid_post.0'", 'S.Add("resid_post.3", vector)'), id="spec-as-string"),
+    pytest.param(lambda m: capture(m, _tokens(m), ["resid_post.0"], batch_size=2.0), InputTypeError,
+                 ("batch_size=2.0",), id="batch-size-float"),
+    # unknown keywords name the nearest one
+    pytest.param(lambda m: capture(m, _tokens(m), ["resid_post.0"], spce=None), InputTypeError,
+                 ("capture() has no keyword 'spce'", "did you mean 'spec'?"), id="unknown-keyword-capture"),
+    pytest.param(lambda m: steer(m, _tokens(m), S.Spec(), batchsize=4), InputTypeError,
+                 ("steer() has no keyword 'batchsize'", "did you mean 'batch_size'?"), id="unknown-keyword-steer"),
+    pytest.param(lambda m: generate(m, PROMPT, max_new_token=3), InputTypeError,
+                 ("did you mean 'max_new_tokens'?",), id="unknown-keyword-generate"),
+    # generate, logit_lens
+    pytest.param(lambda m: generate(m, PROMPT, max_new_tokens=0), SpecError,
+                 ("max_new_tokens=0 generates nothing", "max_new_tokens >= 1"), id="generate-zero-tokens"),
+    pytest.param(lambda m: generate(m, PROMPT, max_new_tokens=2.5), InputTypeError,
+                 ("max_new_tokens=2.5",), id="generate-float-tokens"),
+    pytest.param(lambda m: generate(m, PROMPT, temperature=-1.0), SpecError,
+                 ("temperature=-1.0", "temperature >= 0"), id="generate-negative-temperature"),
+    pytest.param(lambda m: generate(m, PROMPT, max_new_tokens=600), SpecError,
+                 ("plus 600 new ones exceeds the model's 512 positions", "lower max_new_tokens"),
+                 id="generate-past-max-len"),
+    pytest.param(lambda m: generate(m, PROMPT, max_new_tokens=2, capture=["attn_probs.0"]), SpecError,
+                 ("cannot be captured while generating", "capture(model, out.sequences"),
+                 id="generate-capture-pattern"),
+    pytest.param(lambda m: generate(m, PROMPT, S.Scale("attn_scores.0", 0.5), max_new_tokens=2), SpecError,
+                 ("cannot be edited while generating", "edit q/k/v instead"), id="generate-edit-pattern"),
+    pytest.param(lambda m: logit_lens(m, _tokens(m), points=["q.0"]), SpecError,
+                 ("q.0 is not d_model-shaped", "resid_pre/resid_mid/resid_post"), id="lens-not-residual"),
+    pytest.param(lambda m: logit_lens(m, _tokens(m), points=[]), SpecError,
+                 ("points=[]", "leave points unset"), id="lens-empty-points"),
+    # values and positions
+    pytest.param(lambda m: steer(m, _tokens(m), S.Set("resid_post.1", torch.full((128,), float("inf")))), SpecError,
+                 ("value contains NaN or +inf", "torch.nan_to_num(value)"), id="inf-value"),
+    pytest.param(lambda m: steer(m, _tokens(m), S.Add("resid_post.0", torch.full((128,), float("-inf")))),
+                 SpecError, ("-inf, which only attn_scores can hold",), id="neg-inf-outside-attn-scores"),
+    pytest.param(lambda m: steer(m, _tokens(m), S.Add("resid_post.0", torch.randn(0))), SpecError,
+                 ("vector has shape (0,)", "(128,)"), id="empty-vector"),
+    pytest.param(lambda m: steer(m, _tokens(m), S.Set("q.0", torch.randn(128))), SpecError,
+                 ("value has shape (128,), but q holds (4, 32)", "(one position: n_heads d_head)"),
+                 id="set-wrong-feature-shape"),
+    pytest.param(lambda m: steer(m, _tokens(m), S.Add("resid_post.0", torch.randn(3, 5, 128))), SpecError,
+                 ("vector has shape (3, 5, 128)", "the whole point (1, pos, ...)"), id="whole-point-wrong-batch"),
+    pytest.param(lambda m: steer(m, _tokens(m), S.Ablate("z.0", positions=[-50])), SpecError,
+                 ("positions [-50]", "indices in -"), id="negative-position-past-the-start"),
+    pytest.param(lambda m: steer(m, _tokens(m), S.Ablate("z.0", heads=[-1])), PointError,
+                 ("heads [-1] at z.0 do not exist", "0..3"), id="negative-head"),
+    # a spec written for a 32-layer model (layer 20) on this 3-layer one
+    pytest.param(lambda m: steer(m, _tokens(m), Spec.from_dict(json.loads(json.dumps(
+        Spec((S.Scale("resid_post.20", 2.0),)).to_dict())))), PointError,
+                 ("resid_post.20 does not exist", "3 layers"), id="spec-for-a-deeper-model"),
+    pytest.param(lambda m: run_with_grad(m, _tokens(m), loss=None, wrt=["resid_post.0"]), InputTypeError,
+                 ("loss=None", "loss=lambda logits"), id="grad-loss-none"),
 ]
 
 
 @pytest.mark.parametrize("call, error, fragments", REQUESTS)
 def test_bad_request_refused_before_forward(eager, call, error, fragments):
     assert_refused(eager("llama"), call, error, *fragments)
+
+
+GRAD_REQUESTS = [
+    pytest.param(lambda m: run_with_grad(m, _tokens(m), loss=lambda lg: lg.sum(), wrt=[]), SpecError,
+                 ("wrt=[]", 'wrt=["resid_post.0"]'), id="grad-empty-wrt"),
+    pytest.param(lambda m: run_with_grad(m, _tokens(m), loss=lambda lg: lg.sum(), wrt=["resid_post.7"]), PointError,
+                 ("resid_post.7 does not exist",), id="grad-wrt-out-of-range"),
+    pytest.param(lambda m: run_with_grad(m, _tokens(m), loss=3, wrt=["resid_post.0"]), InputTypeError,
+                 ("loss=3",), id="grad-loss-not-callable"),
+]
+
+
+@pytest.mark.parametrize("call, error, fragments", GRAD_REQUESTS)
+def test_bad_gradient_request_refused_before_forward(eager, call, error, fragments):
+    assert_refused(eager("llama", grad=True), call, error, *fragments)
+
+
+def test_a_loss_that_is_not_a_scalar_names_the_reduction(eager):
+    model = eager("llama", grad=True)
+    with pytest.raises(SpecError, match=r"loss returned \(1, \d+, 512\); gradients need a scalar.*\n  Fix: reduce it"):
+        run_with_grad(model, _tokens(model), loss=lambda logits: logits, wrt=["resid_post.0"])
+    assert_still_works(model)
+
+
+ADDRESSES = [
+    pytest.param(lambda: Address(3, 1), ("point must be a string, got int",), id="point-not-a-string"),
+    pytest.param(lambda: Address("resid_post", "3"), ("layer of resid_post must be an int, got '3'",), id="layer-str"),
+    pytest.param(lambda: Address("resid_post", 1.0), ("must be an int, got 1.0",), id="layer-float"),
+    pytest.param(lambda: Address("resid_post", True), ("must be an int, got True",), id="layer-bool"),
+    pytest.param(lambda: Address("resid_post"), ("needs a layer", 'Address("resid_post", -1)'), id="missing-layer"),
+    pytest.param(lambda: Address("embed", 0), ("takes no layer", 'Address("embed")'), id="layer-on-model-point"),
+    pytest.param(lambda: Address.parse(None), ("cannot read an address from NoneType",), id="parse-none"),
+    pytest.param(lambda: Address.parse("resid_post.x"), ("cannot read a layer from 'resid_post.x'",), id="parse-layer"),
+    pytest.param(lambda: Address.parse(""), ("'' is not a point", "Valid points"), id="parse-empty"),
+]
+
+
+@pytest.mark.parametrize("call, fragments", ADDRESSES)
+def test_bad_address_refused(eager, call, fragments):
+    with pytest.raises(PointError) as info:
+        call()
+    assert "Fix:" in str(info.value)
+    for fragment in fragments:
+        assert fragment in str(info.value), str(info.value)
+    assert_still_works(eager("llama"))
+
+
+OPS = [
+    pytest.param(lambda: S.Add("resid_post.0", torch.ones(4, dtype=torch.complex64)), SpecError,
+                 ("dtype torch.complex64", "vector.float()"), id="complex-vector"),
+    pytest.param(lambda: S.Add("resid_post.0", torch.ones(4, dtype=torch.bool)), SpecError,
+                 ("dtype torch.bool",), id="bool-vector"),
+    pytest.param(lambda: S.Add("resid_post.0", torch.full((4,), float("inf"))), SpecError,
+                 ("NaN or +inf",), id="inf-vector"),
+    pytest.param(lambda: S.Add("resid_post.0", torch.ones(4), scale="2"), SpecError,
+                 ("scale must be a number, got '2'", "scale=2.0"), id="scale-str"),
+    pytest.param(lambda: S.Scale("resid_post.0", float("nan")), SpecError, ("factor is nan", "finite factor"),
+                 id="factor-nan"),
+    pytest.param(lambda: S.Ablate("resid_post.0", how="mean2"), SpecError, ('how="zero" or how="mean"',),
+                 id="ablate-how"),
+    pytest.param(lambda: S.Ablate("z.0", heads="0"), SpecError, ("heads='0'", "heads=[0, 3]"), id="heads-str"),
+    pytest.param(lambda: S.Ablate("z.0", heads=[]), SpecError, ("heads=[]",), id="heads-empty"),
+    pytest.param(lambda: S.Ablate("z.0", heads=[True]), SpecError, ("heads=[True]",), id="heads-bool"),
+    pytest.param(lambda: S.Ablate("z.0", positions=True), SpecError, ("ambiguous",), id="positions-bool"),
+    pytest.param(lambda: S.Ablate("z.0", positions=1.5), SpecError, ("cannot read positions from 1.5",),
+                 id="positions-float"),
+    pytest.param(lambda: S.Ablate("z.0", positions=[]), SpecError, ("selects nothing",), id="positions-empty"),
+    pytest.param(lambda: S.Ablate("z.0", positions="first"), SpecError, ('"all", "last"',), id="positions-word"),
+    pytest.param(lambda: S.Ablate("z.0", positions=slice(0, 3, 0)), SpecError, ("step must be positive",),
+                 id="positions-slice-step-0"),
+    pytest.param(lambda: S.Ablate("z.0", positions=[[[1]]]), SpecError, ("nest one list per prompt",),
+                 id="positions-nested-per-prompt"),
+    pytest.param(lambda: S.Custom("resid_post.0", 3), InputTypeError, ("Custom.fn must be callable",),
+                 id="custom-not-callable"),
+    pytest.param(lambda: Spec(("resid_post.0",)), InputTypeError, ("Spec holds ops",), id="spec-of-strings"),
+    pytest.param(lambda: S.Ablate("z.0") + 3, InputTypeError, ("got int",), id="op-plus-int"),
+    pytest.param(lambda: Spec((S.Custom("resid_post.0", lambda x: x),)).to_dict(), SpecError,
+                 ("cannot be serialised",), id="custom-to-dict"),
+]
+
+
+@pytest.mark.parametrize("call, error, fragments", OPS)
+def test_bad_op_refused_when_built(eager, call, error, fragments):
+    with pytest.raises(error) as info:
+        call()
+    assert isinstance(info.value, InterpEngineError) and "Fix:" in str(info.value), str(info.value)
+    for fragment in fragments:
+        assert fragment in str(info.value), str(info.value)
+    assert_still_works(eager("llama"))
+
+
+def test_a_custom_edit_of_the_wrong_shape_is_refused_and_leaves_no_hook(eager):
+    # Raised from inside the forward (a Custom fn's output is only known there); the hooks still go.
+    model = eager("llama")
+    with pytest.raises(SpecError, match=r"returned \(\d+, 128\); expected shape \(1, \d+, 128\)"):
+        steer(model, _tokens(model), S.Custom("resid_post.0", lambda x: x[0]))
+    assert_still_works(model)
+
+
+# ------------------------------------------------------------------------- accepted on purpose (documented)
+
+def test_conflicting_ops_at_one_point_apply_in_spec_order(eager):
+    model = eager("llama")
+    a, b = torch.zeros(128), torch.ones(128)
+    both = capture(model, _tokens(model), ["resid_post.1"], S.Set("resid_post.1", a) + S.Set("resid_post.1", b))
+    assert torch.equal(both["resid_post.1"], torch.ones_like(both["resid_post.1"]))
+    scaled = capture(model, _tokens(model), ["resid_post.1"], S.Set("resid_post.1", b) + S.Scale("resid_post.1", 3.0))
+    assert torch.equal(scaled["resid_post.1"], torch.full_like(scaled["resid_post.1"], 3.0))
+
+
+def test_duplicate_addresses_are_read_once(eager):
+    model = eager("llama")
+    cache = capture(model, _tokens(model), ["resid_post.0", "resid_post.0", "resid_post.-3", Address("resid_post", 0)])
+    assert list(cache) == [Address("resid_post", 0)]
+    assert torch.equal(cache["resid_post.-3"], cache["resid_post.0"])
+
+
+def test_neg_inf_is_accepted_in_attention_scores_as_a_masked_key(eager):
+    model = eager("llama")
+    n = _tokens(model).shape[1]
+    scores = torch.zeros(1, model.n_heads, n, n)
+    scores[..., 0] = float("-inf")  # the last query row no longer sees key 0
+    probs = capture(model, _tokens(model), ["attn_probs.0"], S.Set("attn_scores.0", scores, positions=[-1]))
+    assert float(probs["attn_probs.0"][0, :, -1, 0].abs().max()) == 0.0
+    assert torch.allclose(probs["attn_probs.0"][0, :, -1, 1:], torch.full((model.n_heads, n - 1), 1 / (n - 1)))
+
+
+def test_an_attention_pattern_value_needs_the_whole_point(eager):
+    assert_refused(eager("llama"), lambda m: steer(m, _tokens(m), S.Set("attn_scores.0", torch.zeros(5))),
+                   SpecError, "value has shape (5,)", "pass the whole point (1, 4, q_pos, k_pos)")
+
+
+def test_float64_vectors_are_cast_to_the_model_dtype(eager):
+    model = eager("llama")
+    v = torch.randn(128, dtype=torch.float64)
+    assert torch.equal(steer(model, _tokens(model), S.Add("resid_post.0", v)),
+                       steer(model, _tokens(model), S.Add("resid_post.0", v.float())))
 
 
 def test_errors_are_also_builtin_exceptions(eager):
@@ -304,3 +520,94 @@ def test_missing_folder_or_uncached_repo_says_no_download(eager, offline_hub, re
 def test_folder_without_config_json(eager, tmp_path):
     assert_load_refused(eager, LoadError, ("has no config.json", "save_pretrained()"), str(tmp_path),
                         backend="eager")
+
+
+# ------------------------------------------------------------------------------------------ backend="vllm"
+
+@pytest.fixture(scope="module")
+def served(tiny_path):
+    """A live vLLM handle with a 64-token context; shut down at the end of the module."""
+    model = load_model(str(tiny_path("llama")), backend="vllm", max_model_len=64)
+    asyncio.run(model.warmup())
+    yield model
+    asyncio.run(model.shutdown())
+
+
+def _engine_state(model) -> tuple[int, list[dict]]:
+    """Requests the engine has been given so far, and the tables and hooks installed in its workers."""
+    return model.runtime.llm.request_counter.counter, model.runtime.worker_status()
+
+
+VLLM_REQUESTS = [
+    pytest.param(lambda m: capture(m, [[1] * 64], ["resid_post.0"]), SpecError,
+                 ("64 tokens; the model takes at most 63", "truncate it to 63 tokens"), id="prompt-past-max_model_len"),
+    pytest.param(lambda m: generate(m, [[1] * 60], max_new_tokens=8), SpecError,
+                 ("plus 8 new ones exceeds the model's 63 positions",), id="generate-past-max_model_len"),
+    pytest.param(lambda m: capture(m, [[1, 2, 512]], ["resid_post.0"]), SpecError,
+                 ("outside the vocabulary (0..511)", "[512]"), id="token-past-vocab"),
+    pytest.param(lambda m: steer(m, PROMPT, S.Add("resid_post.0", torch.full((128,), float("nan")))), SpecError,
+                 ("NaN",), id="nan-vector"),
+    pytest.param(lambda m: steer(m, PROMPT, S.Add("resid_post.0", torch.randn(64))), SpecError,
+                 ("vector has shape (64,)", "(128,)"), id="vector-shape"),
+    pytest.param(lambda m: steer(m, PROMPT, S.Custom("resid_post.0", lambda x: x)), BackendError,
+                 ("never crosses into a vLLM worker", 'backend="eager"'), id="custom-op"),
+    pytest.param(lambda m: steer(m, PROMPT, S.Ablate("z.0", how="mean")), BackendError,
+                 ("depend on scheduling", "S.Set("), id="mean-ablation"),
+    pytest.param(lambda m: steer(m, PROMPT, S.Scale("attn_probs.0", 0.5)), BackendError,
+                 ("only on the eager backend",), id="write-attn-probs"),
+    pytest.param(lambda m: steer(m, PROMPT, S.Set("logits", torch.zeros(512))), BackendError,
+                 ("only on the eager backend",), id="write-logits"),
+    pytest.param(lambda m: run_with_grad(m, PROMPT, loss=lambda lg: lg.sum(), wrt=["resid_post.0"]), BackendError,
+                 ('backend="eager", requires_grad=True',), id="gradients"),
+    pytest.param(lambda m: capture(m, PROMPT, ["resid_post.3"]), PointError, ("3 layers (0..2)",),
+                 id="layer-out-of-range"),
+    pytest.param(lambda m: steer(m, PROMPT, S.Ablate("k.0", heads=[2])), PointError, ("k has 2 heads",),
+                 id="kv-head-out-of-range"),
+    pytest.param(lambda m: capture(m, PROMPT, ["resid_post.0"], sepc=None), InputTypeError,
+                 ("did you mean 'spec'?",), id="unknown-keyword"),
+    pytest.param(lambda m: logit_lens(m, PROMPT, points=["mlp_act.0"]), SpecError, ("not d_model-shaped",),
+                 id="lens-not-residual"),
+]
+
+
+@requires("vllm")
+@pytest.mark.parametrize("call, error, fragments", VLLM_REQUESTS)
+def test_bad_request_on_vllm_refused_before_any_request(served, call, error, fragments):
+    before = _engine_state(served)
+    with pytest.raises(error) as info:
+        call(served)
+    message = str(info.value)
+    assert isinstance(info.value, InterpEngineError) and "Fix:" in message, message
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in:\n{message}"
+    assert _engine_state(served) == before, "the engine saw a request or kept a table"
+    assert capture(served, PROMPT, ["resid_post.0"], progress=False)["resid_post.0"].shape[-1] == 128
+
+
+@requires("vllm")
+def test_the_longest_prompt_vllm_accepts_is_served(served):
+    # vLLM keeps one of max_model_len's positions for the token it predicts: 63 of 64 for a prompt.
+    cache = capture(served, [[1] * 63], ["resid_post.2"], progress=False)
+    assert cache["resid_post.2"].shape == (1, 63, 128)
+
+
+@requires("vllm")
+@pytest.mark.parametrize("kwargs, error, fragment", [
+    ({"foo": 1}, SpecError, "neither a load_model keyword nor a vLLM engine argument"),
+    ({"extra_vllm_kwargs": {"enforce_eagre": True}}, SpecError, "did you mean 'enforce_eager'?"),
+    ({"extra_vllm_kwargs": {"enforce_eager": False}}, SpecError, "enforce_eager=True"),
+    ({"extra_vllm_kwargs": [("enforce_eager", True)]}, InputTypeError, "must be a dict of engine arguments"),
+    ({"gpu_memory_utilization": 1.5}, SpecError, "use a number in (0, 1]"),
+    ({"max_model_len": 10**6}, SpecError, "use at most 512"),
+    ({"quantization": "bnb-8bit"}, BackendError, "use backend=\"eager\""),
+    ({"attn_implementation": "eager"}, BackendError, "vLLM picks its own kernels"),
+])
+def test_bad_vllm_load_refused_before_an_engine_starts(served, tiny_path, kwargs, error, fragment):
+    import psutil
+
+    children = len(psutil.Process().children(recursive=True))
+    with pytest.raises(error) as info:
+        load_model(str(tiny_path("llama")), backend="vllm", **kwargs)
+    assert fragment in str(info.value) and "Fix:" in str(info.value), str(info.value)
+    assert len(psutil.Process().children(recursive=True)) == children
+    assert served.runtime.is_alive()

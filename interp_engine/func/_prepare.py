@@ -1,9 +1,13 @@
 """What every pure function does first: normalise inputs and validate everything before any forward pass."""
 
-from collections.abc import Iterable
+import difflib
+import functools
+import inspect
+import typing
+from collections.abc import Callable, Iterable
 
 from interp_engine.addresses import Address
-from interp_engine.errors import BackendError, InputTypeError, fix
+from interp_engine.errors import BackendError, InputTypeError, SpecError, fix
 from interp_engine.handle import ModelHandle
 from interp_engine.inputs import Prompts, to_prompts
 from interp_engine.spec import as_spec
@@ -37,6 +41,56 @@ def prepare(model, tokens, spec, reads: Iterable, *, purpose: str, verb: str,
                          purpose=purpose)
 
 
+# What each parameter of the pure functions takes, said as the fix for a value of the wrong type.
+_REMEDIES = {
+    "model": 'model = load_model("path/or/repo"), then pass the handle first: {verb}(model, ...).',
+    "tokens": 'pass a string, a list of strings, model.to_tokens(text), or a list of token-id lists.',
+    "prompts": 'pass a string, a list of strings, model.to_tokens(text), or a list of token-id lists.',
+    "points": 'pass addresses: ["resid_post.3", Address("attn_out", 0)].',
+    "wrt": 'pass addresses: ["resid_post.3", Address("attn_out", 0)].',
+    "capture": 'pass addresses: capture=["resid_post.3"].',
+    "spec": 'pass an op (S.Add("resid_post.3", vector)), a Spec, or a list of ops; read a saved one with '
+            'Spec.from_dict(json.load(f)).',
+    "loss": "pass a function of the logits, e.g. loss=lambda logits: logits[0, -1, 7].",
+}
+
+
+def checked_arguments(function: Callable) -> Callable:
+    """Refuse an unknown keyword (naming the nearest) or an argument of the wrong type (naming what it takes)
+    with an InputTypeError, before the type checker or the function body sees it."""
+    signature = inspect.signature(function)
+    hints = typing.get_type_hints(inspect.unwrap(function))
+    verb = function.__name__
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        from beartype.door import is_bearable
+
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError as e:
+            unknown = next((k for k in kwargs if k not in signature.parameters), None)
+            names = list(signature.parameters)
+            if unknown is None:
+                raise InputTypeError(fix(f"{verb}(): {e}.", f"{verb} takes {', '.join(names)}.")) from None
+            near = difflib.get_close_matches(unknown, names, n=1, cutoff=0.0)
+            raise InputTypeError(fix(f"{verb}() has no keyword {unknown!r}.",
+                                     f"did you mean {near[0]!r}? {verb} takes {', '.join(names)}.")) from None
+        for name, value in bound.arguments.items():
+            hint = hints.get(name)
+            if hint is not None and not is_bearable(value, hint):
+                shown = repr(value) if len(repr(value)) <= 60 else f"a {type(value).__name__}"
+                remedy = _REMEDIES.get(name, f"pass {name}= as {_plain(hint)}.").format(verb=verb)
+                raise InputTypeError(fix(f"{verb}(): {name}={shown} is not what {name} takes.", remedy))
+        return function(*args, **kwargs)
+
+    return wrapper
+
+
+def _plain(hint) -> str:
+    return str(hint).replace("typing.", "").replace("collections.abc.", "").replace("<class '", "").replace("'>", "")
+
+
 def _addresses(reads: Iterable, verb: str) -> list[Address]:
     if isinstance(reads, str | Address):
         reads = [reads]
@@ -45,3 +99,11 @@ def _addresses(reads: Iterable, verb: str) -> list[Address]:
     except TypeError:
         raise InputTypeError(fix(f"{verb}() points must be a list of addresses.",
                                  '["resid_post.3", Address("attn_out", 0)]')) from None
+
+
+def require_points(points, verb: str, name: str) -> None:
+    """An empty list of points would run a forward pass for nothing."""
+    if not isinstance(points, str | Address) and len(points) == 0:
+        raise SpecError(fix(f"{verb}() got {name}=[]: no point to read, so there is nothing to return.",
+                            f'name at least one point, e.g. {name}=["resid_post.0"]'
+                            + ("; steer() returns the logits." if verb == "capture" else ".")))

@@ -5,17 +5,19 @@ from jaxtyping import jaxtyped
 
 from interp_engine.addresses import Address
 from interp_engine.cache import Cache
-from interp_engine.func._prepare import prepare
+from interp_engine.func._prepare import checked_arguments, prepare, require_points
 from interp_engine.func.shapes import check_shapes
 from interp_engine.handle import ModelHandle
 from interp_engine.inputs import PromptsLike
 from interp_engine.spec import Op, Spec
 
 
+@checked_arguments
 @jaxtyped(typechecker=beartype)
 def capture(model: ModelHandle, tokens: PromptsLike, points: Sequence[str | Address] | str | Address,
             spec: Spec | Op | Sequence[Op] | None = None, *, batch_size: int = 32, progress: bool = True) -> Cache:
     """Activations at `points`, read after the spec's edits. Ragged prompts: rows right-padded with zeros."""
+    require_points(points, "capture", "points")
     prompts, plan = prepare(model, tokens, spec, points, purpose="forward", verb="capture", batch_size=batch_size)
     _, records = model.runtime.forward(prompts, plan, batch_size=batch_size, want_logits=False, progress=progress)
     cache = Cache(records, prompts.lengths, model.n_layers, model.name)

@@ -9,7 +9,7 @@ from torch import Tensor
 from interp_engine.addresses import Address
 from interp_engine.cache import Cache
 from interp_engine.errors import SpecError, fix
-from interp_engine.func._prepare import prepare
+from interp_engine.func._prepare import checked_arguments, prepare
 from interp_engine.func.shapes import check_shapes
 from interp_engine.handle import ModelHandle
 from interp_engine.inputs import PromptsLike
@@ -31,6 +31,7 @@ class Generation:
     cache: Cache | None = None
 
 
+@checked_arguments
 @jaxtyped(typechecker=beartype)
 def generate(model: ModelHandle, prompts: PromptsLike, spec: Spec | Op | Sequence[Op] | None = None, *,
              max_new_tokens: int = 32, capture: Sequence[str | Address] | None = None, temperature: float = 0.0,

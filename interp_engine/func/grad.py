@@ -8,7 +8,7 @@ from torch import Tensor
 from interp_engine.addresses import Address
 from interp_engine.cache import Cache
 from interp_engine.errors import BackendError, SpecError, fix
-from interp_engine.func._prepare import prepare
+from interp_engine.func._prepare import checked_arguments, prepare, require_points
 from interp_engine.handle import ModelHandle
 from interp_engine.inputs import PromptsLike
 from interp_engine.spec import Op, Spec
@@ -23,6 +23,7 @@ class Gradients:
     grads: Cache
 
 
+@checked_arguments
 @jaxtyped(typechecker=beartype)
 def run_with_grad(model: ModelHandle, tokens: PromptsLike, spec: Spec | Op | Sequence[Op] | None = None, *,
                   loss: Callable[[Tensor], Tensor], wrt: Sequence[str | Address] | str | Address) -> Gradients:
@@ -36,6 +37,7 @@ def run_with_grad(model: ModelHandle, tokens: PromptsLike, spec: Spec | Op | Seq
                                f'load_model({model.name!r}, backend="eager", requires_grad=True).'))
     if not callable(loss):
         raise SpecError(fix("loss must be a function logits -> scalar tensor.", "loss=lambda logits: logits[0, -1, 7]"))
+    require_points(wrt, "run_with_grad", "wrt")
     prompts, plan = prepare(model, tokens, spec, wrt, purpose="forward", verb="run_with_grad")
     addresses = sorted({Address.parse(a).resolve(model.n_layers) for a in ([wrt] if isinstance(wrt, str | Address) else wrt)})
     width = max(prompts.lengths)
@@ -43,6 +45,7 @@ def run_with_grad(model: ModelHandle, tokens: PromptsLike, spec: Spec | Op | Seq
     for a in addresses:
         feat = feature_shape(a, model.dims, width)
         shapes[a] = (len(prompts), *feat[:1], width, *feat[1:]) if a.info.pos_axis == 2 else (len(prompts), width, *feat)
+    model.runtime.load()  # here, not lazily inside torch.func's transform (loading calls requires_grad_)
     value, grads = model.runtime.forward_with_grad(prompts, plan, loss=_scalar(loss), wrt=tuple(addresses),
                                                    shapes=shapes)
     return Gradients(value=value, grads=Cache(grads, prompts.lengths, model.n_layers, model.name))

@@ -4,12 +4,13 @@ from beartype import beartype
 from jaxtyping import Float, jaxtyped
 from torch import Tensor
 
-from interp_engine.func._prepare import prepare
+from interp_engine.func._prepare import checked_arguments, prepare
 from interp_engine.handle import ModelHandle
 from interp_engine.inputs import PromptsLike
 from interp_engine.spec import Op, Spec
 
 
+@checked_arguments
 @jaxtyped(typechecker=beartype)
 def steer(model: ModelHandle, tokens: PromptsLike, spec: Spec | Op | Sequence[Op], *, batch_size: int = 32,
           progress: bool = True) -> Float[Tensor, "batch pos d_vocab"]:

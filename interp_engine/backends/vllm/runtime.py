@@ -34,6 +34,8 @@ LOGITS = Address("logits")
 # vLLM engines are process-wide (worker processes, distributed state): one may be live per process.
 _LIVE: dict[str, "VllmRuntime"] = {}
 _LIVE_LOCK = threading.Lock()
+# How often a running call checks that the engine's processes are alive (a dead engine is reported this fast).
+WATCH_S = 0.5
 
 
 class VllmRuntime(TokenizerRuntime):
@@ -133,19 +135,26 @@ class VllmRuntime(TokenizerRuntime):
         import psutil
 
         procs, self._procs = self._procs, []
+        # A dead engine's orphans have nothing to finish: give them 2 s, not 20, before they are killed.
+        grace = 20 if _running(procs) else 2
         try:
             llm.llm_engine.engine_core.shutdown()
         finally:
             del llm
             gc.collect()
-            _, alive = psutil.wait_procs(procs, timeout=20)
+            _close_children({p.pid for p in procs}, grace)
+            _, alive = psutil.wait_procs(procs, timeout=grace)
             for process in alive:
                 process.kill()
             psutil.wait_procs(alive, timeout=5)
 
     # ------------------------------------------------------------------------------------------- calls
     def _rpc(self, method: str, *args):
-        return self.load().collective_rpc(method, args=args)
+        llm = self.load()
+        if method == "ie_release" and not self.is_alive():
+            return []  # a dead engine holds no tables; its error is already on its way
+        with self._watched():
+            return llm.collective_rpc(method, args=args)
 
     def forward(self, prompts: Prompts, plan: Plan, **kwargs) -> tuple[Tensor | None, dict[Address, Tensor]]:
         with self._busy:
@@ -178,8 +187,8 @@ class VllmRuntime(TokenizerRuntime):
             params = [SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, skip_reading_prefix_cache=True,
                                      extra_args={TAG: {"call": call, "prompt": i, "length": len(ids)}})
                       for i, ids in enumerate(prompts.ids)]
-            llm.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids in prompts.ids], params,
-                         use_tqdm=progress and len(prompts) > 1)
+            self._run(llm, [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompts.ids], params,
+                      use_tqdm=progress and len(prompts) > 1)
             blob = self._collect(call)
         finally:
             self._rpc("ie_release", call)
@@ -212,8 +221,8 @@ class VllmRuntime(TokenizerRuntime):
                 skip_reading_prefix_cache=tabled,
                 extra_args={TAG: {"call": call, "prompt": i, "length": len(ids)}} if tabled else None)
                 for i, ids in enumerate(prompts.ids)]
-            outputs = llm.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids in prompts.ids], params,
-                                   use_tqdm=progress and len(prompts) > 1)
+            outputs = self._run(llm, [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompts.ids], params,
+                                use_tqdm=progress and len(prompts) > 1)
             blob = self._collect(call) if tabled else {}
         finally:
             if tabled:
@@ -271,6 +280,109 @@ def _environ(values: dict[str, str]):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+    # ------------------------------------------------------------------------------------------- faults
+    def _run(self, llm, prompts: list, params: list, *, use_tqdm: bool) -> list:
+        """`llm.generate`, watched for a dead engine. On any exception (a KeyboardInterrupt included) this
+        call's unfinished requests are aborted, so the next call starts on an empty engine rather than
+        receiving their outputs."""
+        with self._watched():
+            try:
+                return llm.generate(prompts, params, use_tqdm=use_tqdm)
+            except BaseException:
+                self._abort_unfinished(llm)
+                raise
+
+    @staticmethod
+    def _abort_unfinished(llm) -> None:
+        engine = llm.llm_engine
+        # Calls on one handle take turns (_busy), so every unfinished request belongs to the failing call.
+        with contextlib.suppress(Exception):  # the original error matters more than a failed clean-up
+            unfinished = list(engine.output_processor.request_states)
+            if unfinished:
+                engine.abort_request(unfinished, internal=True)
+
+    def is_alive(self) -> bool:
+        """False once the engine core or a worker process has exited, or vLLM marked its engine dead."""
+        llm = self.llm
+        if llm is None:
+            return False
+        dead = getattr(getattr(llm.llm_engine.engine_core, "resources", None), "engine_dead", False)
+        return not dead and _running(self._procs)
+
+    def _dead(self) -> BackendError:
+        return BackendError(fix(
+            f"the vLLM engine serving {self.name!r} has died (its engine core or a worker process exited: "
+            "killed, out of memory, or crashed), so this call cannot finish and no later call can run on it.",
+            f"await model.shutdown() (it reaps what is left), then load_model({self.name!r}, ...) again."))
+
+    @contextlib.contextmanager
+    def _watched(self):
+        """Around a blocking engine call: poll the engine's processes, and if one dies, wake the waiting
+        call (vLLM's sync client would wait forever for an RPC answer) and raise a BackendError instead."""
+        if not self.is_alive():
+            raise self._dead()
+        done, died = threading.Event(), threading.Event()
+
+        def watch():
+            while not done.wait(WATCH_S):
+                if not self.is_alive():
+                    died.set()
+                    self._wake(self.llm)
+                    return
+
+        threading.Thread(target=watch, name="interp_engine-watchdog", daemon=True).start()
+        try:
+            yield
+        except Exception:
+            if died.is_set() or not self.is_alive():
+                raise self._dead() from None
+            raise
+        finally:
+            done.set()
+
+    @staticmethod
+    def _wake(llm) -> None:
+        """Fail whatever the driver waits on in vLLM's sync engine client: RPC futures and the output queue."""
+        if llm is None:
+            return
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        core = llm.llm_engine.engine_core
+        for future in list(getattr(core, "utility_results", {}).values()):
+            with contextlib.suppress(Exception):  # already resolved
+                future.set_exception(EngineDeadError())
+        outputs = getattr(core, "outputs_queue", None)
+        if outputs is not None:
+            outputs.put_nowait(EngineDeadError())
+
+
+def _running(processes: list) -> bool:
+    """Every one of these processes is alive (neither gone nor a zombie)."""
+    import psutil
+
+    for process in processes:
+        try:
+            if not process.is_running() or process.status() == psutil.STATUS_ZOMBIE:
+                return False
+        except psutil.NoSuchProcess:
+            return False
+    return True
+
+
+def _close_children(pids: set[int], timeout: float) -> None:
+    """Join and close the multiprocessing handles of these processes (the engine core is our child). Each open
+    handle holds two pipe descriptors, and vLLM's shutdown leaves them open: two leaked per load otherwise."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        if child.pid in pids:
+            child.join(timeout)
+            if child.exitcode is None:
+                child.kill()
+                child.join(5)
+            with contextlib.suppress(ValueError):  # still running: psutil kills it next
+                child.close()
 
 
 def resource_tracker_pid() -> int | None:
