@@ -56,7 +56,7 @@ def main() -> None:
     vocab = AutoConfig.from_pretrained(settings.model).vocab_size
     hf = AutoModelForCausalLM.from_pretrained(settings.model, dtype=torch.float32, attn_implementation="sdpa")
     hf.eval().requires_grad_(False)
-    paths, rows, versions = {"hf_forward": lambda ids: hf(input_ids=ids, use_cache=False)}, [], {}
+    paths, rows = {"hf_forward": lambda ids: hf(input_ids=ids, use_cache=False)}, []
     for name, make in (("transformer_lens", lambda: transformer_lens_path(settings.model, n_layers)),
                        ("nnsight", lambda: nnsight_path(settings.model))):
         try:

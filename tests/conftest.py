@@ -1,6 +1,7 @@
 """Tiny real models built once per session from real configs; the purity check that runs around every test."""
 
 import warnings
+from contextlib import contextmanager
 
 import huggingface_hub.constants
 import pytest
@@ -13,6 +14,20 @@ from interp_engine.tiny import FAMILIES, build_tiny_model
 PROMPTS = ["Hello, world! Tell me a story", "Paris is the capital of", "The quick brown fox jumps over the lazy dog."]
 _MODELS: dict = {}
 _BASELINES: dict = {}
+
+
+@contextmanager
+def no_child_survives():
+    """Every child process started inside the block (vLLM's engine and workers) must be gone at its end."""
+    import psutil
+
+    from interp_engine.backends.vllm.runtime import resource_tracker_pid
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    yield
+    left = [p for p in psutil.Process().children(recursive=True)
+            if p.pid not in before and p.pid != resource_tracker_pid()]
+    assert not left, f"child processes survived shutdown(): {left}"
 
 
 @pytest.fixture(scope="session")

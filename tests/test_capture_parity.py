@@ -1,6 +1,5 @@
 """capture() against HF's own outputs, and every point against the layer's remaining ops done by hand."""
 
-import pytest
 import torch
 
 from interp_engine import capture

