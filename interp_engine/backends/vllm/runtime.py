@@ -267,21 +267,6 @@ class VllmRuntime(TokenizerRuntime):
         tabled = self.backend in ("vllm", "vllm-static")
         return self._rpc("ie_status") if self.llm is not None and tabled else []
 
-
-@contextlib.contextmanager
-def _environ(values: dict[str, str]):
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-    # ------------------------------------------------------------------------------------------- faults
     def _run(self, llm, prompts: list, params: list, *, use_tqdm: bool) -> list:
         """`llm.generate`, watched for a dead engine. On any exception (a KeyboardInterrupt included) this
         call's unfinished requests are aborted, so the next call starts on an empty engine rather than
@@ -383,6 +368,22 @@ def _close_children(pids: set[int], timeout: float) -> None:
                 child.join(5)
             with contextlib.suppress(ValueError):  # still running: psutil kills it next
                 child.close()
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]):
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+    # ------------------------------------------------------------------------------------------- faults
 
 
 def resource_tracker_pid() -> int | None:
