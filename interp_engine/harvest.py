@@ -32,7 +32,7 @@ from interp_engine.addresses import Address
 from interp_engine.errors import InputTypeError, SpecError, fix
 from interp_engine.func.capture import capture
 from interp_engine.handle import ModelHandle
-from interp_engine.spec import Op, Spec, as_spec
+from interp_engine.spec import FLOAT_DTYPES, Op, Spec, as_spec
 
 FORMAT = "interp_engine.harvest/1"
 MANIFEST = "manifest.json"
@@ -150,10 +150,7 @@ def _check_points(model: ModelHandle, points) -> tuple[Address, ...]:
 def _dtype(value, default: torch.dtype) -> torch.dtype:
     if value is None:
         return default
-    if isinstance(value, torch.dtype):
-        found = value
-    else:
-        found = getattr(torch, str(value).removeprefix("torch."), None)
+    found = value if isinstance(value, torch.dtype) else FLOAT_DTYPES.get(str(value).removeprefix("torch."))
     if not isinstance(found, torch.dtype) or not found.is_floating_point:
         raise InputTypeError(fix(f"dtype={value!r} is not a floating-point torch dtype.",
                                  'use dtype="float32", "bfloat16" or "float16" (default: the model\'s).'))

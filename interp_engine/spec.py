@@ -20,7 +20,7 @@ from interp_engine.errors import InputTypeError, InterpEngineError, SpecError, f
 # ---------------------------------------------------------------------------------------------- tensors
 
 # Every floating dtype by its torch name ("float32", and aliases such as "float" and "half"), built once here.
-_FLOAT_DTYPES: dict[str, torch.dtype] = {name: t for name, t in vars(torch).items()
+FLOAT_DTYPES: dict[str, torch.dtype] = {name: t for name, t in vars(torch).items()
                                          if isinstance(t, torch.dtype) and t.is_floating_point}
 
 
@@ -64,7 +64,7 @@ class TensorData:
         if not isinstance(d, Mapping) or not {"dtype", "shape", "data"} <= set(d):
             raise SpecError(fix(f"{what} is not a tensor dict (dtype, shape, data).", remedy))
         # A fixed table, not getattr(torch, name): a name read from a file never reaches an attribute lookup.
-        dtype = _FLOAT_DTYPES.get(d["dtype"]) if isinstance(d["dtype"], str) else None
+        dtype = FLOAT_DTYPES.get(d["dtype"]) if isinstance(d["dtype"], str) else None
         if dtype is None:
             raise SpecError(fix(f"{what}: unknown tensor dtype {d['dtype']!r}.",
                                 'use a floating dtype name such as "float32" or "bfloat16".'))
