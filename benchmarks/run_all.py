@@ -81,8 +81,9 @@ def run_suite(suite: str, settings: B.Settings, out: Path) -> dict:
 
 def against_plain_engine(rows: list[dict]) -> list[dict]:
     """vllm-static's own engine runs its taps at every step, requests or not, so its same-engine ratios miss
-    what the taps cost. These rows divide its paths by the plain prefill/decode of the default engine (no taps,
-    same compilation) that the vllm-generate suite timed at the same size, in another process of this run."""
+    what the taps cost. These rows divide its paths by the baseline of the default engine (no taps, same
+    compilation) that the vllm-generate suite timed at the same size, in another process of this run. That
+    suite serves generation only, so this covers the decode paths; prefill has no such row yet."""
     plain = {(r["batch"], r["seq"], r["baseline"]): r["baseline_ms"] for r in rows
              if r.get("suite") == "vllm-generate" and "baseline_ms" in r}
     out = []
