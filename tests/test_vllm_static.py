@@ -198,3 +198,22 @@ def test_two_ranks_give_the_values_of_one(tiny_path, eager):
             generate(reference, PROMPTS, spec, max_new_tokens=4, stop_at_eos=False).tokens
     finally:
         asyncio.run(model.shutdown())
+
+
+def test_harvest_equals_capture_with_chunks_overlapping_in_the_engine(static, tmp_path):
+    """Chunks of 16 prompts, each queued behind the last: the stored rows (read after a steering edit) equal one
+    capture over all the prompts, and no call is left in the workers (checked after every test)."""
+    from interp_engine import harvest
+
+    family, model = static
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 200, (int(n),), generator=g).tolist() for n in torch.randint(2, 20, (100,), generator=g)]
+    spec = S.Add("resid_post.1", torch.linspace(-1, 1, model.d_model), scale=2.0)
+    points = ["resid_post.1", "z.0", "mlp_act.0"]
+    h = harvest(model, prompts, points, tmp_path / "out", spec=spec, chunk_prompts=16, shard_tokens=300,
+                progress=False)
+    assert h.n_prompts == 100 and h.n_shards > 2
+    whole = capture(model, prompts, points, spec)
+    for point in points:
+        stored = torch.cat([h.shard(k)[point] for k in range(h.n_shards)])
+        assert torch.equal(stored, torch.cat(whole.unpadded(point))), (family, point)

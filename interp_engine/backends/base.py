@@ -1,4 +1,13 @@
-"""What every backend runtime shares: the tokenizer side, loaded with the handle (no weights needed)."""
+"""What every backend runtime shares: the tokenizer side, loaded with the handle (no weights needed), and the
+default way of capturing a stream of chunks."""
+
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from interp_engine.addresses import Address
+from interp_engine.inputs import Prompts
+from interp_engine.validate import Plan
 
 
 class TokenizerRuntime:
@@ -29,3 +38,11 @@ class TokenizerRuntime:
     @property
     def eos_id(self) -> int | None:
         return self.tokenizer.eos_token_id
+
+    def stream(self, chunks: Iterable[tuple[Prompts, Plan]], *, batch_size: int
+               ) -> Iterator[tuple[Prompts, dict[Address, torch.Tensor]]]:
+        """Capture each chunk's reads, in order, as flat rows: [its total tokens, ...], prompt after prompt
+        (what a harvest stores). Here one `forward` per chunk; the vLLM runtime overlaps the chunks."""
+        for prompts, plan in chunks:
+            _, records = self.forward(prompts, plan, batch_size=batch_size, want_logits=False, progress=False)
+            yield prompts, {a: torch.cat([t[:n] for t, n in zip(records[a], prompts.lengths)]) for a in plan.reads}

@@ -4,6 +4,7 @@ Every call installs its table in every worker, tags its requests with the call i
 table in `finally`, so nothing outlives the call even when it fails.
 """
 
+import collections
 import contextlib
 import dataclasses
 import gc
@@ -12,7 +13,7 @@ import socket
 import tempfile
 import threading
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,18 @@ _LIVE: dict[str, "VllmRuntime"] = {}
 _LIVE_LOCK = threading.Lock()
 # How often a running call checks that the engine's processes are alive (a dead engine is reported this fast).
 WATCH_S = 0.5
+# Chunks a stream keeps in the engine at once: the one being finished and the next, queued behind it.
+STREAM_DEPTH = 2
+
+
+@dataclasses.dataclass
+class _Flight:
+    """A streamed chunk in the engine: its call, prompts and reads, and the request ids not finished yet."""
+
+    call: str
+    prompts: Prompts
+    reads: tuple[Address, ...]
+    waiting: set[str]
 
 
 class VllmRuntime(TokenizerRuntime):
@@ -176,7 +189,6 @@ class VllmRuntime(TokenizerRuntime):
     def _prefill(self, prompts: Prompts, plan: Plan, *, batch_size: int, want_logits: bool,
                  progress: bool = True, lens: tuple[Address, ...] = ()) -> tuple[Tensor | None, dict[Address, Tensor]]:
         """Prefill every prompt once (max_tokens=1) with the call's table installed; vLLM batches them."""
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         llm = self.load()
@@ -184,9 +196,7 @@ class VllmRuntime(TokenizerRuntime):
         call = uuid.uuid4().hex
         self._install(call, plan, reads, width=max(prompts.lengths), lens=lens)
         try:
-            params = [SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, skip_reading_prefix_cache=True,
-                                     extra_args={TAG: {"call": call, "prompt": i, "length": len(ids)}})
-                      for i, ids in enumerate(prompts.ids)]
+            params = [_prefill_params(call, i, len(ids)) for i, ids in enumerate(prompts.ids)]
             self._run(llm, [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompts.ids], params,
                       use_tqdm=progress and len(prompts) > 1)
             blob = self._collect(call)
@@ -197,6 +207,51 @@ class VllmRuntime(TokenizerRuntime):
         if LOGITS not in plan.reads:
             records.pop(LOGITS, None)
         return logits, records
+
+    def stream(self, chunks: Iterable[tuple[Prompts, Plan]], *, batch_size: int
+               ) -> Iterator[tuple[Prompts, dict[Address, Tensor]]]:
+        """Capture chunk after chunk, each its own call (table, requests, collect), with the next chunk's
+        requests queued before this one's finish: vLLM's batch does not drain at a chunk's end, and the driver's
+        work on a finished chunk (collect, flatten, whatever the consumer does) overlaps the engine's on the
+        next. Yields each chunk's reads as flat rows, [its tokens, ...], prompt after prompt, in chunk order."""
+        del batch_size  # vLLM's scheduler batches
+        with self._busy:
+            llm = self.load()
+            engine = llm.llm_engine
+            source = iter(chunks)
+            flight: collections.deque[_Flight] = collections.deque()
+            try:
+                while True:
+                    while len(flight) < STREAM_DEPTH and (item := next(source, None)) is not None:
+                        flight.append(self._enqueue(engine, *item))
+                    if not flight:
+                        return
+                    head = flight[0]
+                    with self._watched():
+                        while head.waiting:
+                            for out in engine.step():
+                                for f in flight:
+                                    f.waiting.discard(out.request_id)
+                    blob = self._collect(head.call)
+                    flight.popleft()
+                    yield head.prompts, flatten(blob, head.reads, head.prompts.lengths)
+            finally:
+                if flight:  # an error, or the consumer stopped: nothing of these calls may stay in the engine
+                    self._abort_unfinished(llm)
+                    for f in flight:
+                        self._rpc("ie_release", f.call)
+
+    def _enqueue(self, engine, prompts: Prompts, plan: Plan) -> "_Flight":
+        """Install one chunk's table and add its requests (ids of our own, so their outputs can be told apart)."""
+        from vllm.inputs import tokens_input
+
+        queued = _Flight(uuid.uuid4().hex, prompts, tuple(plan.reads), set())
+        self._install(queued.call, plan, list(plan.reads), width=max(prompts.lengths))
+        for i, ids in enumerate(prompts.ids):
+            request = f"{TAG}-{queued.call}-{i}"
+            engine.add_request(request, tokens_input(list(ids)), _prefill_params(queued.call, i, len(ids)))
+            queued.waiting.add(request)
+        return queued
 
     def _generate(self, prompts: Prompts, plan: Plan, *, max_new_tokens: int, temperature: float,
                  top_k: int | None, top_p: float | None, seed: int | None, stop_at_eos: bool, batch_size: int,
@@ -386,6 +441,17 @@ def _environ(values: dict[str, str]):
     # ------------------------------------------------------------------------------------------- faults
 
 
+def _prefill_params(call: str, prompt: int, length: int):
+    """One prompt of a capture: prefill only (one token sampled and dropped), nothing read from the prefix cache
+    (every position must run through the taps), tagged with its call so the workers find its rows."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, skip_reading_prefix_cache=True,
+                          output_kind=RequestOutputKind.FINAL_ONLY,
+                          extra_args={TAG: {"call": call, "prompt": prompt, "length": length}})
+
+
 def resource_tracker_pid() -> int | None:
     from multiprocessing import resource_tracker
 
@@ -412,4 +478,28 @@ def assemble(flat: dict[str, Tensor], reads: list[Address], lengths: tuple[int, 
         # Pattern rows arrive as [q, heads, k]; the point's axes are batch n_heads q_pos k_pos.
         patterns = address.info.pos_axis == 2 and not prefix
         out[address] = full.permute(0, 2, 1, 3).contiguous() if patterns else full
+    return out
+
+
+def flatten(flat: dict[str, Tensor], reads: tuple[Address, ...], lengths: tuple[int, ...]) -> dict[Address, Tensor]:
+    """Rows keyed by (prompt, position) -> [sum(lengths), ...], prompt after prompt, each position once."""
+    starts = torch.tensor((0, *lengths)).cumsum(0)
+    total = int(starts[-1])
+    out = {}
+    for address in reads:
+        key = str(address)
+        if f"{key}|value" not in flat:
+            raise BackendError(f"internal: the workers recorded nothing at {address}")
+        index, value = starts[flat[f"{key}|prompt"]] + flat[f"{key}|pos"], flat[f"{key}|value"]
+        seen = torch.zeros(total, dtype=torch.bool)
+        seen[index] = True
+        if len(index) != total or not seen.all():
+            raise BackendError(f"internal: the workers recorded {len(index)} rows at {address} for {total} "
+                               f"prompt tokens ({int(seen.sum())} distinct)")
+        if torch.equal(index, torch.arange(total)):  # recorded in order already (the usual case): no copy
+            out[address] = value
+            continue
+        rows = torch.empty_like(value)
+        rows[index] = value
+        out[address] = rows
     return out
