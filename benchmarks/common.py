@@ -37,10 +37,11 @@ class Settings:
     warmup: int
     max_wait_s: float
     out: str
+    chosen_sizes: tuple[tuple[int, int], ...] = ()  # --sizes; empty: the mode's
 
     @property
     def sizes(self) -> tuple[tuple[int, int], ...]:
-        return QUICK_SIZES if self.quick else FULL_SIZES
+        return self.chosen_sizes or (QUICK_SIZES if self.quick else FULL_SIZES)
 
     @property
     def new_tokens(self) -> int:
@@ -51,7 +52,8 @@ class Settings:
 
     @classmethod
     def from_json(cls, text: str) -> "Settings":
-        return cls(**json.loads(text))
+        fields = json.loads(text)
+        return cls(**{**fields, "chosen_sizes": tuple(map(tuple, fields.get("chosen_sizes", ())))})
 
 
 def bench_model(quick: bool, family: str = "llama") -> Path:

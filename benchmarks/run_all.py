@@ -5,7 +5,7 @@ Each suite runs in its own subprocess (one vLLM engine per process): eager vs HF
 results merge into results.json, results.md (ratios) and results.png; --update-readme rewrites the README's
 performance section from them.
 
-    benchmarks/run_all.sh [--quick] [--num-gpus N] [--model FAMILY|FOLDER|REPO] [--update-readme]
+    benchmarks/run_all.sh [--quick] [--num-gpus N] [--model FAMILY|FOLDER|REPO] [--sizes 64x32,...] [--update-readme]
 """
 
 import argparse
@@ -79,13 +79,12 @@ def run_suite(suite: str, settings: B.Settings, out: Path) -> dict:
     return {**data, "seconds": took}
 
 
-def against_plain_engine(rows: list[dict]) -> list[dict]:
+def against_plain_engine(rows: list[dict], plain_ms: list[dict]) -> list[dict]:
     """vllm-static's own engine runs its taps at every step, requests or not, so its same-engine ratios miss
-    what the taps cost. These rows divide its paths by the baseline of the default engine (no taps, same
-    compilation) that the vllm-generate suite timed at the same size, in another process of this run. That
-    suite serves generation only, so this covers the decode paths; prefill has no such row yet."""
-    plain = {(r["batch"], r["seq"], r["baseline"]): r["baseline_ms"] for r in rows
-             if r.get("suite") == "vllm-generate" and "baseline_ms" in r}
+    what the taps cost. These rows divide its paths (prefill and decode) by the plain prefill and decode that the
+    vllm-generate suite timed at the same size on the default engine (no taps, same compilation), in another
+    process of this run."""
+    plain = {(b["batch"], b["seq"], name): ms for b in plain_ms for name, ms in b.items() if name.startswith("plain")}
     out = []
     for r in rows:
         key = (r.get("batch"), r.get("seq"), r.get("baseline"))
@@ -97,6 +96,16 @@ def against_plain_engine(rows: list[dict]) -> list[dict]:
     return out
 
 
+def _sizes(text: str) -> tuple[tuple[int, int], ...]:
+    try:
+        sizes = tuple(tuple(int(n) for n in size.split("x")) for size in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or any(len(s) != 2 or min(s) < 1 for s in sizes):
+        raise argparse.ArgumentTypeError(f"{text!r}: write sizes as BATCHxLENGTH,..., e.g. 64x32,4x64")
+    return sizes
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="CI: small model, one size, one rep, every code path")
@@ -104,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="family (built locally), checkpoint folder or cached repo id")
     parser.add_argument("--suites", default=",".join(SUITES))
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per path and size (full: 5)")
+    parser.add_argument("--sizes", type=_sizes, default=(), help="batch x prompt length, e.g. 64x32,8x128 "
+                        "(default: the mode's)")
     parser.add_argument("--max-wait", type=float, default=None,
                         help="seconds a suite may spend waiting for other processes to leave the CPUs")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
@@ -115,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = B.Settings(model=str(model), quick=args.quick, num_gpus=args.num_gpus or default_num_gpus(),
                           reps=args.reps or (1 if args.quick else 5), warmup=1,
                           max_wait_s=args.max_wait if args.max_wait is not None else (0 if args.quick else 20),
-                          out="")
+                          out="", chosen_sizes=args.sizes)
     start, suites = time.perf_counter(), {}
     for suite in [s for s in args.suites.split(",") if s]:
         suites[suite] = run_suite(suite, settings, out)
@@ -125,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             "seconds": time.perf_counter() - start,
             "suites": {k: {x: v[x] for x in v if x != "rows"} for k, v in suites.items()}}
     rows = [r for s in suites.values() for r in s["rows"]]
-    rows += against_plain_engine(rows)
+    rows += against_plain_engine(rows, suites.get("vllm-generate", {}).get("baselines_ms", []))
     data = {**meta, "rows": rows}
     (out / "results.json").write_text(json.dumps(data, indent=1))
     (out / "results.md").write_text(report.markdown(data))

@@ -71,7 +71,7 @@ def main() -> None:
                                     skip_reading_prefix_cache=True)
             return llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
 
-        wait, refusals = B.IdleWaiter(settings.max_wait_s), {}
+        wait, refusals, baselines = B.IdleWaiter(settings.max_wait_s), {}, []
         for batch, seq in settings.sizes:
             ids = B.prompts(model.d_vocab, batch, seq)
             candidates = {
@@ -94,6 +94,9 @@ def main() -> None:
                 except InterpEngineError as e:
                     refusals[name] = str(e).splitlines()[0]
             timed = B.time_paths(paths, settings.reps, max(settings.warmup - 1, 0), wait)
+            # What this engine's plain paths took: the driver divides vllm-static's paths by the default engine's.
+            baselines.append({"batch": batch, "seq": seq, **{b: timed["median_ms"][b] for b in ("plain_prefill",
+                                                                                                "plain_decode")}})
             for path, (scenario, baseline) in SCENARIOS.items():
                 if path in paths:
                     rows.append(B.row(suite, scenario, batch, seq, path, baseline, timed,
@@ -106,6 +109,7 @@ def main() -> None:
     finally:
         asyncio.run(model.shutdown())
     B.write(settings, suite, rows, {"status": "ok", "env": B.env_info(), "threads": B.threads(),
+                                    "baselines_ms": baselines,
                                     "engine": "enforce_eager=True (Python hooks)" if backend == "vllm"
                                     else "vLLM's default compilation"})
 

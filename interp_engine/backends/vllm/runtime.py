@@ -194,14 +194,11 @@ class VllmRuntime(TokenizerRuntime):
         llm = self.load()
         reads = list(dict.fromkeys([*plan.reads, *([LOGITS] if want_logits else [])]))
         call = uuid.uuid4().hex
-        self._install(call, plan, reads, width=max(prompts.lengths), lens=lens)
-        try:
+        with self._table(call, plan, reads, width=max(prompts.lengths), lens=lens):
             params = [_prefill_params(call, i, len(ids)) for i, ids in enumerate(prompts.ids)]
             self._run(llm, [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompts.ids], params,
                       use_tqdm=progress and len(prompts) > 1)
             blob = self._collect(call)
-        finally:
-            self._rpc("ie_release", call)
         records = assemble(blob, reads or list(lens), prompts.lengths, prefix="lens:" if lens else "")
         logits = records.get(LOGITS) if want_logits else None
         if LOGITS not in plan.reads:
@@ -264,11 +261,9 @@ class VllmRuntime(TokenizerRuntime):
         llm = self.load()
         call = uuid.uuid4().hex
         tabled = bool(plan.ops or plan.reads)  # a plain request installs nothing (and vllm-generate can't)
-        if tabled:
-            self._install(call, plan, list(plan.reads))
         capturing = bool(plan.reads)
         eos = self.eos_id
-        try:
+        with self._table(call, plan, list(plan.reads)) if tabled else contextlib.nullcontext():
             params = [SamplingParams(
                 max_tokens=max_new_tokens + capturing, temperature=temperature, top_k=top_k or 0,
                 top_p=top_p or 1.0, seed=None if seed is None else seed + i, detokenize=False,
@@ -279,9 +274,6 @@ class VllmRuntime(TokenizerRuntime):
             outputs = self._run(llm, [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompts.ids], params,
                                 use_tqdm=progress and len(prompts) > 1)
             blob = self._collect(call) if tabled else {}
-        finally:
-            if tabled:
-                self._rpc("ie_release", call)
         new = []
         for out in outputs:
             tokens = list(out.outputs[0].token_ids)[:max_new_tokens]
@@ -305,6 +297,17 @@ class VllmRuntime(TokenizerRuntime):
         finally:
             if os.path.exists(path):
                 os.unlink(path)
+
+    @contextlib.contextmanager
+    def _table(self, call: str, plan: Plan, reads: list[Address], **kwargs):
+        """The call's table in the workers for the block. `_collect` takes it out with the results (one RPC, not
+        two), so only a failure before that releases it here."""
+        self._install(call, plan, reads, **kwargs)
+        try:
+            yield
+        except BaseException:
+            self._rpc("ie_release", call)
+            raise
 
     def _install(self, call: str, plan: Plan, reads: list[Address], width: int = 0,
                  lens: tuple[Address, ...] = ()) -> None:

@@ -19,6 +19,9 @@ from interp_engine.spec import Spec
 
 TAG = "interp_engine"
 EMBED, FINAL, LOGITS = Address("embed"), Address("final"), Address("logits")
+# Results smaller than this go back through the RPC answer: for them a file's create, write, read and unlink
+# cost more than the bytes do.
+FILE_MIN_BYTES = 4 << 20
 
 
 @dataclass
@@ -65,9 +68,10 @@ class InterpExtension:
 
     def ie_collect(self, call_id: str, path: str = "", host: str = "") -> bytes | str:
         """A call's results, and its removal. Rank 0 answers; other ranks return empty bytes. With `path` (a
-        file the driver can read, normally in /dev/shm) and the driver on this host, the results go there and
-        the path comes back: far cheaper than pushing hundreds of MB through the RPC channel. A worker on
-        another node (Ray, multi-node) answers with bytes."""
+        file the driver can read, normally in /dev/shm), the driver on this host and results of at least
+        FILE_MIN_BYTES, the results go there and the path comes back: far cheaper than pushing hundreds of MB
+        through the RPC channel. Smaller results, and a worker on another node (Ray, multi-node), answer with
+        bytes."""
         import socket
 
         if host and host != socket.gethostname():
@@ -82,7 +86,7 @@ class InterpExtension:
             out[f"{address}|prompt"] = torch.cat([c[0] for c in chunks])  # small; shared by every address
             out[f"{address}|pos"] = torch.cat([c[1] for c in chunks])
             out[f"{address}|value"] = join([c[2] for c in chunks]).contiguous()
-        if path:
+        if path and sum(t.nbytes for t in out.values()) >= FILE_MIN_BYTES:
             save_file(out, path)
             return path
         return save(out) if out else b""
