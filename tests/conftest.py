@@ -94,6 +94,23 @@ def family(request):
     return request.param
 
 
+def check_each_request_gets_its_own_vector(model, reference, close) -> list[str]:
+    """16 requests in one engine batch, each steered with its own vector: requests 0, 7 and 15 each equal their
+    solo run on `reference` (eager), compared with `close(ours, theirs, what)`. Returns the prompts."""
+    from interp_engine import spec as S
+    from interp_engine import steer
+
+    prompts = [PROMPTS[i % 3] + " " + str(i) for i in range(16)]
+    width = max(len(model.tokenize(p)) for p in prompts)
+    vectors = torch.randn(16, 1, model.d_model, generator=torch.Generator().manual_seed(0)).expand(16, width, -1)
+    batch = steer(model, prompts, S.Add("resid_post.0", vectors.contiguous()))
+    for i in (0, 7, 15):
+        solo = steer(reference, prompts[i], S.Add("resid_post.0", vectors[i, 0]))
+        n = len(model.tokenize(prompts[i]))
+        close(batch[i, :n], solo[0], f"request {i}")
+    return prompts
+
+
 def _param_digest(handle) -> list[torch.Tensor]:
     return [p.detach().clone() for p in handle.runtime.model.parameters()]
 

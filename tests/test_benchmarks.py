@@ -31,6 +31,10 @@ def test_quick_benchmarks_run_every_scenario_and_write_their_files(tmp_path):
         assert statuses[("vllm", "run_with_grad")] == "not_served"
     assert ("vllm-generate", "generate") in timed or data["suites"]["vllm-generate"].get("status") != "ok"
     assert data["suites"]["vllm-static"].get("status") in ("ok", "not_built", "not_served")
+    if all(data["suites"][s].get("status") == "ok" for s in ("vllm-static", "vllm-generate")):
+        # vllm-static's prefill and decode, each over the default engine's (no taps) at the same size
+        for path in ("capture_resid_post", "steered_generate"):
+            assert ("vllm-static vs plain engine", path) in timed, path
     md = (tmp_path / "results.md").read_text()
     assert "| capture resid_post (all layers) | eager |" in md and "parameters" in md
     assert (tmp_path / "results.png").read_bytes()[:4] == b"\x89PNG"

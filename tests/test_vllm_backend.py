@@ -7,7 +7,7 @@ import torch
 
 from interp_engine import BackendError, capture, generate, load_model, logit_lens, run_with_grad, steer
 from interp_engine import spec as S
-from tests.conftest import PROMPTS, no_child_survives
+from tests.conftest import PROMPTS, check_each_request_gets_its_own_vector, no_child_survives
 from tests.skips import requires
 
 pytestmark = requires("vllm")
@@ -33,9 +33,9 @@ def no_worker_tables_survive(request):
             assert model.runtime.worker_status() == [{"calls": 0, "hooks": 0}]
 
 
-def _close(a, b):
-    assert a.shape == b.shape, (a.shape, b.shape)
-    assert torch.allclose(a, b, rtol=RTOL, atol=ATOL), f"max abs error {(a - b).abs().max().item()}"
+def _close(a, b, what=""):
+    assert a.shape == b.shape, (what, a.shape, b.shape)
+    assert torch.allclose(a, b, rtol=RTOL, atol=ATOL), f"{what}: max abs error {(a - b).abs().max().item()}"
 
 
 def test_every_point_equals_eager_on_a_ragged_batch(served, eager):
@@ -83,14 +83,7 @@ def test_logit_lens_runs_in_the_worker_and_equals_eager(served, eager):
 def test_each_request_gets_its_own_vector(served, eager):
     """16 requests in one engine batch, each steered with its own vector, each equal to its solo run."""
     family, model = served
-    prompts = [PROMPTS[i % 3] + " " + str(i) for i in range(16)]
-    width = max(len(model.tokenize(p)) for p in prompts)
-    vectors = torch.randn(16, 1, model.d_model, generator=torch.Generator().manual_seed(0)).expand(16, width, -1)
-    batch = steer(model, prompts, S.Add("resid_post.0", vectors.contiguous()))
-    for i in (0, 5, 15):
-        solo = steer(eager(family), prompts[i], S.Add("resid_post.0", vectors[i, 0]))
-        n = len(model.tokenize(prompts[i]))
-        _close(batch[i, :n], solo[0])
+    check_each_request_gets_its_own_vector(model, eager(family), _close)
 
 
 def test_prefix_cache_never_skips_captured_positions(served, eager):

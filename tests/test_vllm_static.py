@@ -8,7 +8,7 @@ import torch
 from interp_engine import BackendError, capture, generate, load_model, logit_lens, run_with_grad, steer
 from interp_engine import spec as S
 from interp_engine.backends.vllm.runtime import _LIVE
-from tests.conftest import PROMPTS, no_child_survives
+from tests.conftest import PROMPTS, check_each_request_gets_its_own_vector, no_child_survives
 from tests.skips import requires
 
 pytestmark = requires("vllm")
@@ -119,14 +119,7 @@ def test_steered_generation_and_generated_captures_equal_eager(static, eager):
 def test_each_request_gets_its_own_vector_in_one_batch(static, eager):
     """16 requests in one engine batch, each with its own vector (the write buffers hold one row per token)."""
     family, model = static
-    prompts = [PROMPTS[i % 3] + " " + str(i) for i in range(16)]
-    width = max(len(model.tokenize(p)) for p in prompts)
-    vectors = torch.randn(16, 1, model.d_model, generator=torch.Generator().manual_seed(0)).expand(16, width, -1)
-    batch = steer(model, prompts, S.Add("resid_post.0", vectors.contiguous()))
-    for i in (0, 7, 15):
-        solo = steer(eager(family), prompts[i], S.Add("resid_post.0", vectors[i, 0]))
-        n = len(model.tokenize(prompts[i]))
-        _close(batch[i, :n], solo[0], f"request {i}")
+    prompts = check_each_request_gets_its_own_vector(model, eager(family), _close)
     again = capture(model, prompts, ["resid_post.0"])["resid_post.0"]  # prefix cache warm: still every position
     assert torch.equal(again, capture(model, prompts, ["resid_post.0"])["resid_post.0"])
 
