@@ -111,6 +111,24 @@ def check_each_request_gets_its_own_vector(model, reference, close) -> list[str]
     return prompts
 
 
+def check_no_steered_kv_reaches_a_plain_call(model, reference) -> None:
+    """vLLM's prefix cache keys KV blocks by their tokens. A steered prefill and a steered generation run first
+    on a fresh prompt of two blocks and more; a plain generation on it afterwards must equal `reference`'s
+    (eager), i.e. it must not read the steered KV."""
+    from interp_engine import generate, steer
+    from interp_engine import spec as S
+
+    block = model.runtime.llm.llm_engine.vllm_config.cache_config.block_size
+    ids = torch.randint(3, 500, (2 * block + 5,), generator=torch.Generator().manual_seed(2027)).tolist()
+    spec = S.Add("resid_post.0", torch.full((model.d_model,), 50.0))
+    steer(model, [ids], spec, progress=False)
+    steered = generate(model, [ids], spec, max_new_tokens=6, stop_at_eos=False, progress=False).tokens
+    plain = generate(model, [ids], max_new_tokens=6, stop_at_eos=False, progress=False).tokens
+    expected = generate(reference, [ids], max_new_tokens=6, stop_at_eos=False, progress=False).tokens
+    assert steered != expected, "the edit must change the tokens, or this checks nothing"
+    assert plain == expected
+
+
 def _param_digest(handle) -> list[torch.Tensor]:
     return [p.detach().clone() for p in handle.runtime.model.parameters()]
 

@@ -7,7 +7,8 @@ import torch
 
 from interp_engine import BackendError, capture, generate, load_model, logit_lens, run_with_grad, steer
 from interp_engine import spec as S
-from tests.conftest import PROMPTS, check_each_request_gets_its_own_vector, no_child_survives
+from tests.conftest import (PROMPTS, check_each_request_gets_its_own_vector,
+                            check_no_steered_kv_reaches_a_plain_call, no_child_survives)
 from tests.skips import requires
 
 pytestmark = requires("vllm")
@@ -154,3 +155,10 @@ def test_vllm_generate_is_plain_vllm(served, tiny_path, eager):
             plain.runtime.llm.collective_rpc("ie_status")  # no worker extension in this engine
     finally:
         asyncio.run(plain.shutdown())
+
+
+def test_a_steered_call_never_hands_its_kv_to_a_later_plain_call(served, eager):
+    """Every request of a call with a table is salted in vLLM's prefix cache (found: without the salt, a plain
+    generation after a steered one on the same prompt read the steered KV and gave other tokens)."""
+    family, model = served
+    check_no_steered_kv_reaches_a_plain_call(model, eager(family))

@@ -196,8 +196,8 @@ class VllmRuntime(TokenizerRuntime):
         call = uuid.uuid4().hex
         with self._table(call, plan, reads, width=max(prompts.lengths), lens=lens):
             params = [_prefill_params(call, i, len(ids)) for i, ids in enumerate(prompts.ids)]
-            self._run(llm, [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompts.ids], params,
-                      use_tqdm=progress and len(prompts) > 1)
+            self._run(llm, [TokensPrompt(prompt_token_ids=list(ids), cache_salt=call) for ids in prompts.ids],
+                      params, use_tqdm=progress and len(prompts) > 1)
             blob = self._collect(call)
         records = assemble(blob, reads or list(lens), prompts.lengths, prefix="lens:" if lens else "")
         logits = records.get(LOGITS) if want_logits else None
@@ -246,7 +246,8 @@ class VllmRuntime(TokenizerRuntime):
         self._install(queued.call, plan, list(plan.reads), width=max(prompts.lengths))
         for i, ids in enumerate(prompts.ids):
             request = f"{TAG}-{queued.call}-{i}"
-            engine.add_request(request, tokens_input(list(ids)), _prefill_params(queued.call, i, len(ids)))
+            engine.add_request(request, tokens_input(list(ids), cache_salt=queued.call),
+                               _prefill_params(queued.call, i, len(ids)))
             queued.waiting.add(request)
         return queued
 
@@ -271,8 +272,9 @@ class VllmRuntime(TokenizerRuntime):
                 skip_reading_prefix_cache=tabled,
                 extra_args={TAG: {"call": call, "prompt": i, "length": len(ids)}} if tabled else None)
                 for i, ids in enumerate(prompts.ids)]
-            outputs = self._run(llm, [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompts.ids], params,
-                                use_tqdm=progress and len(prompts) > 1)
+            salt = {"cache_salt": call} if tabled else {}
+            outputs = self._run(llm, [TokensPrompt(prompt_token_ids=list(ids), **salt) for ids in prompts.ids],
+                                params, use_tqdm=progress and len(prompts) > 1)
             blob = self._collect(call) if tabled else {}
         new = []
         for out in outputs:
@@ -446,7 +448,11 @@ def _environ(values: dict[str, str]):
 
 def _prefill_params(call: str, prompt: int, length: int):
     """One prompt of a capture: prefill only (one token sampled and dropped), nothing read from the prefix cache
-    (every position must run through the taps), tagged with its call so the workers find its rows."""
+    (every position must run through the taps), tagged with its call so the workers find its rows.
+
+    Every request of a call with a table is also salted with the call id (`cache_salt`): the KV it writes was
+    computed under the call's edits, and without the salt vLLM's prefix cache would hand it to a later plain
+    request with the same prefix."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
