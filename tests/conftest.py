@@ -118,7 +118,7 @@ def check_no_steered_kv_reaches_a_plain_call(model, reference) -> None:
     from interp_engine import generate, steer
     from interp_engine import spec as S
 
-    block = model.runtime.llm.llm_engine.vllm_config.cache_config.block_size
+    block = model.runtime.load().llm_engine.vllm_config.cache_config.block_size
     ids = torch.randint(3, 500, (2 * block + 5,), generator=torch.Generator().manual_seed(2027)).tolist()
     spec = S.Add("resid_post.0", torch.full((model.d_model,), 50.0))
     steer(model, [ids], spec, progress=False)

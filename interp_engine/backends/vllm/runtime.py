@@ -42,13 +42,14 @@ STREAM_DEPTH = 2
 
 
 @dataclasses.dataclass
-class _Flight:
-    """A streamed chunk in the engine: its call, prompts and reads, and the request ids not finished yet."""
+class _Requests:
+    """One call's requests in the engine: their ids (ours, f"{TAG}-{call}-{i}"), those not finished yet, and the
+    outputs of those that finished. Whichever thread is stepping the engine hands each output to its call."""
 
     call: str
-    prompts: Prompts
-    reads: tuple[Address, ...]
-    waiting: set[str]
+    ids: list[str] = dataclasses.field(default_factory=list)
+    waiting: set[str] = dataclasses.field(default_factory=set)
+    outputs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 class VllmRuntime(TokenizerRuntime):
@@ -60,9 +61,11 @@ class VllmRuntime(TokenizerRuntime):
         self.llm = None
         self._procs: list = []
         self._tables: dict[str, dict] = {}  # spec fingerprint -> compiled table (plain data), driver side only
-        self._lock = threading.Lock()
-        # One call at a time: LLM.generate drives the engine synchronously and is not re-entrant.
-        self._busy = threading.Lock()
+        self._lock = threading.Lock()  # loading, unloading and the table cache
+        # One thread talks to the engine at a time (vLLM's sync client is not thread-safe), a step or an RPC at a
+        # time. Calls from several threads interleave there, so their requests share vLLM's batches.
+        self._engine_lock = threading.Lock()
+        self._owners: dict[str, _Requests] = {}  # request id -> its call, until its output arrives
 
     @property
     def is_loaded(self) -> bool:
@@ -148,6 +151,7 @@ class VllmRuntime(TokenizerRuntime):
         import psutil
 
         procs, self._procs = self._procs, []
+        self._owners.clear()
         # A dead engine's orphans have nothing to finish: give them 2 s, not 20, before they are killed.
         grace = 20 if _running(procs) else 2
         try:
@@ -166,38 +170,34 @@ class VllmRuntime(TokenizerRuntime):
         llm = self.load()
         if method == "ie_release" and not self.is_alive():
             return []  # a dead engine holds no tables; its error is already on its way
-        with self._watched():
+        with self._watched(), self._engine_lock:
             return llm.collective_rpc(method, args=args)
 
     def forward(self, prompts: Prompts, plan: Plan, **kwargs) -> tuple[Tensor | None, dict[Address, Tensor]]:
-        with self._busy:
-            return self._prefill(prompts, plan, **kwargs)
+        return self._prefill(prompts, plan, **kwargs)
 
     def lens(self, prompts: Prompts, plan: Plan, *, batch_size: int, progress: bool = True) -> dict[Address, Tensor]:
         """The logit lens computed in the workers (final norm + vLLM's own logits path, vocab-parallel gathered),
         so only log-probs cross to the driver, never the residual stream."""
         lensed = Plan(plan.ops, ())
-        with self._busy:
-            _, records = self._prefill(prompts, lensed, batch_size=batch_size, want_logits=False, progress=progress,
-                                       lens=plan.reads)
+        _, records = self._prefill(prompts, lensed, batch_size=batch_size, want_logits=False, progress=progress,
+                                   lens=plan.reads)
         return records
 
     def generate(self, prompts: Prompts, plan: Plan, **kwargs) -> tuple[list[list[int]], dict[Address, Tensor]]:
-        with self._busy:
-            return self._generate(prompts, plan, **kwargs)
+        return self._generate(prompts, plan, **kwargs)
 
     def _prefill(self, prompts: Prompts, plan: Plan, *, batch_size: int, want_logits: bool,
                  progress: bool = True, lens: tuple[Address, ...] = ()) -> tuple[Tensor | None, dict[Address, Tensor]]:
         """Prefill every prompt once (max_tokens=1) with the call's table installed; vLLM batches them."""
-        from vllm.inputs import TokensPrompt
+        from vllm.inputs import tokens_input
 
-        llm = self.load()
         reads = list(dict.fromkeys([*plan.reads, *([LOGITS] if want_logits else [])]))
         call = uuid.uuid4().hex
         with self._table(call, plan, reads, width=max(prompts.lengths), lens=lens):
-            params = [_prefill_params(call, i, len(ids)) for i, ids in enumerate(prompts.ids)]
-            self._run(llm, [TokensPrompt(prompt_token_ids=list(ids), cache_salt=call) for ids in prompts.ids],
-                      params, use_tqdm=progress and len(prompts) > 1)
+            self._run(call, [tokens_input(list(ids), cache_salt=call) for ids in prompts.ids],
+                      [_prefill_params(call, i, len(ids)) for i, ids in enumerate(prompts.ids)],
+                      progress=progress and len(prompts) > 1)
             blob = self._collect(call)
         records = assemble(blob, reads or list(lens), prompts.lengths, prefix="lens:" if lens else "")
         logits = records.get(LOGITS) if want_logits else None
@@ -211,45 +211,32 @@ class VllmRuntime(TokenizerRuntime):
         requests queued before this one's finish: vLLM's batch does not drain at a chunk's end, and the driver's
         work on a finished chunk (collect, flatten, whatever the consumer does) overlaps the engine's on the
         next. Yields each chunk's reads as flat rows, [its tokens, ...], prompt after prompt, in chunk order."""
-        del batch_size  # vLLM's scheduler batches
-        with self._busy:
-            llm = self.load()
-            engine = llm.llm_engine
-            source = iter(chunks)
-            flight: collections.deque[_Flight] = collections.deque()
-            try:
-                while True:
-                    while len(flight) < STREAM_DEPTH and (item := next(source, None)) is not None:
-                        flight.append(self._enqueue(engine, *item))
-                    if not flight:
-                        return
-                    head = flight[0]
-                    with self._watched():
-                        while head.waiting:
-                            for out in engine.step():
-                                for f in flight:
-                                    f.waiting.discard(out.request_id)
-                    blob = self._collect(head.call)
-                    flight.popleft()
-                    yield head.prompts, flatten(blob, head.reads, head.prompts.lengths)
-            finally:
-                if flight:  # an error, or the consumer stopped: nothing of these calls may stay in the engine
-                    self._abort_unfinished(llm)
-                    for f in flight:
-                        self._rpc("ie_release", f.call)
-
-    def _enqueue(self, engine, prompts: Prompts, plan: Plan) -> "_Flight":
-        """Install one chunk's table and add its requests (ids of our own, so their outputs can be told apart)."""
         from vllm.inputs import tokens_input
 
-        queued = _Flight(uuid.uuid4().hex, prompts, tuple(plan.reads), set())
-        self._install(queued.call, plan, list(plan.reads), width=max(prompts.lengths))
-        for i, ids in enumerate(prompts.ids):
-            request = f"{TAG}-{queued.call}-{i}"
-            engine.add_request(request, tokens_input(list(ids), cache_salt=queued.call),
-                               _prefill_params(queued.call, i, len(ids)))
-            queued.waiting.add(request)
-        return queued
+        del batch_size  # vLLM's scheduler batches
+        source = iter(chunks)
+        flight: collections.deque[tuple[_Requests, Prompts, tuple[Address, ...]]] = collections.deque()
+        try:
+            while True:
+                while len(flight) < STREAM_DEPTH and (item := next(source, None)) is not None:
+                    prompts, plan = item
+                    requests = _Requests(uuid.uuid4().hex)
+                    flight.append((requests, prompts, tuple(plan.reads)))
+                    call = requests.call
+                    self._install(call, plan, list(plan.reads), width=max(prompts.lengths))
+                    self._submit(requests, [tokens_input(list(ids), cache_salt=call) for ids in prompts.ids],
+                                 [_prefill_params(call, i, len(ids)) for i, ids in enumerate(prompts.ids)])
+                if not flight:
+                    return
+                requests, prompts, reads = flight[0]
+                self._finish(requests)
+                blob = self._collect(requests.call)
+                flight.popleft()
+                yield prompts, flatten(blob, reads, prompts.lengths)
+        finally:  # an error, or the consumer stopped: nothing of these calls may stay in the engine
+            for requests, _, _ in flight:
+                self._abort(requests)
+                self._rpc("ie_release", requests.call)
 
     def _generate(self, prompts: Prompts, plan: Plan, *, max_new_tokens: int, temperature: float,
                  top_k: int | None, top_p: float | None, seed: int | None, stop_at_eos: bool, batch_size: int,
@@ -257,9 +244,9 @@ class VllmRuntime(TokenizerRuntime):
         """Generate with the call's table in every step. Captures need the last new token fed back once more,
         so they ask for one extra token (and ignore EOS, trimming afterwards): every kept token has its row."""
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
+        from vllm.inputs import tokens_input
+        from vllm.sampling_params import RequestOutputKind
 
-        llm = self.load()
         call = uuid.uuid4().hex
         tabled = bool(plan.ops or plan.reads)  # a plain request installs nothing (and vllm-generate can't)
         capturing = bool(plan.reads)
@@ -269,12 +256,11 @@ class VllmRuntime(TokenizerRuntime):
                 max_tokens=max_new_tokens + capturing, temperature=temperature, top_k=top_k or 0,
                 top_p=top_p or 1.0, seed=None if seed is None else seed + i, detokenize=False,
                 ignore_eos=True, stop_token_ids=[eos] if stop_at_eos and eos is not None and not capturing else None,
-                skip_reading_prefix_cache=tabled,
+                skip_reading_prefix_cache=tabled, output_kind=RequestOutputKind.FINAL_ONLY,
                 extra_args={TAG: {"call": call, "prompt": i, "length": len(ids)}} if tabled else None)
                 for i, ids in enumerate(prompts.ids)]
-            salt = {"cache_salt": call} if tabled else {}
-            outputs = self._run(llm, [TokensPrompt(prompt_token_ids=list(ids), **salt) for ids in prompts.ids],
-                                params, use_tqdm=progress and len(prompts) > 1)
+            outputs = self._run(call, [tokens_input(list(ids), cache_salt=call if tabled else None)
+                                       for ids in prompts.ids], params, progress=progress and len(prompts) > 1)
             blob = self._collect(call) if tabled else {}
         new = []
         for out in outputs:
@@ -304,8 +290,8 @@ class VllmRuntime(TokenizerRuntime):
     def _table(self, call: str, plan: Plan, reads: list[Address], **kwargs):
         """The call's table in the workers for the block. `_collect` takes it out with the results (one RPC, not
         two), so only a failure before that releases it here."""
-        self._install(call, plan, reads, **kwargs)
         try:
+            self._install(call, plan, reads, **kwargs)  # inside: an interrupt during the RPC still releases
             yield
         except BaseException:
             self._rpc("ie_release", call)
@@ -316,10 +302,11 @@ class VllmRuntime(TokenizerRuntime):
         spec = Spec(tuple(dataclasses.replace(op, point=address)
                           for address, group in plan.ops.items() for op in group))
         key = spec.fingerprint()
-        compiled = self._tables.pop(key, None) or spec.to_dict()
-        self._tables[key] = compiled  # most recent last; serialising large Patch sources once is worth it
-        while len(self._tables) > 32:
-            self._tables.pop(next(iter(self._tables)))
+        with self._lock:
+            compiled = self._tables.pop(key, None) or spec.to_dict()
+            self._tables[key] = compiled  # most recent last; serialising large Patch sources once is worth it
+            while len(self._tables) > 32:
+                self._tables.pop(next(iter(self._tables)))
         self._rpc("ie_install", {"call": call, "spec": compiled, "reads": [str(a) for a in reads], "width": width,
                                  "lens": [str(a) for a in lens]})
 
@@ -327,25 +314,57 @@ class VllmRuntime(TokenizerRuntime):
         tabled = self.backend in ("vllm", "vllm-static")
         return self._rpc("ie_status") if self.llm is not None and tabled else []
 
-    def _run(self, llm, prompts: list, params: list, *, use_tqdm: bool) -> list:
-        """`llm.generate`, watched for a dead engine. On any exception (a KeyboardInterrupt included) this
-        call's unfinished requests are aborted, so the next call starts on an empty engine rather than
-        receiving their outputs."""
-        with self._watched():
-            try:
-                return llm.generate(prompts, params, use_tqdm=use_tqdm)
-            except BaseException:
-                self._abort_unfinished(llm)
-                raise
+    def _run(self, call: str, inputs: list, params: list, *, progress: bool) -> list:
+        """Add the call's requests and step the engine until all of them have finished; their outputs, in order.
+        On any exception (a KeyboardInterrupt included) this call's unfinished requests are aborted, so they
+        neither keep running nor reach another call."""
+        requests = _Requests(call)
+        try:
+            self._submit(requests, inputs, params)
+            self._finish(requests, progress=progress)
+        except BaseException:
+            self._abort(requests)
+            raise
+        return [requests.outputs[i] for i in requests.ids]
 
-    @staticmethod
-    def _abort_unfinished(llm) -> None:
-        engine = llm.llm_engine
-        # Calls on one handle take turns (_busy), so every unfinished request belongs to the failing call.
-        with contextlib.suppress(Exception):  # the original error matters more than a failed clean-up
-            unfinished = list(engine.output_processor.request_states)
-            if unfinished:
-                engine.abort_request(unfinished, internal=True)
+    def _submit(self, requests: _Requests, inputs: list, params: list) -> None:
+        engine = self.load().llm_engine
+        with self._engine_lock:
+            for prompt, param in zip(inputs, params):
+                request = f"{TAG}-{requests.call}-{len(requests.ids)}"
+                # Recorded before it is added: an interrupt inside add_request still finds it to abort.
+                requests.ids.append(request)
+                requests.waiting.add(request)
+                self._owners[request] = requests
+                engine.add_request(request, prompt, param)
+
+    def _finish(self, requests: _Requests, *, progress: bool = False) -> None:
+        """Step the engine until these requests have finished. Another thread's call may be stepping it too:
+        each step's finished outputs go to whichever call owns them, so calls share batches and wait in turn
+        only for the step itself."""
+        from tqdm.auto import tqdm
+
+        engine = self.load().llm_engine
+        bar = tqdm(total=len(requests.ids), desc="Processed prompts", disable=not progress, dynamic_ncols=True)
+        with bar, self._watched():
+            while requests.waiting:
+                with self._engine_lock:
+                    if not requests.waiting:  # finished by another thread's step while this one waited
+                        break
+                    for out in engine.step():
+                        if out.finished and (owner := self._owners.pop(out.request_id, None)) is not None:
+                            owner.waiting.discard(out.request_id)
+                            owner.outputs[out.request_id] = out
+                bar.update(len(requests.outputs) - bar.n)
+
+    def _abort(self, requests: _Requests) -> None:
+        """Take this call's unfinished requests out of the engine."""
+        with contextlib.suppress(Exception), self._engine_lock:  # the original error matters more
+            for request in requests.ids:
+                self._owners.pop(request, None)
+            if requests.waiting and self.llm is not None:
+                self.llm.llm_engine.abort_request(list(requests.waiting), internal=False)
+            requests.waiting.clear()
 
     def is_alive(self) -> bool:
         """False once the engine core or a worker process has exited, or vLLM marked its engine dead."""
