@@ -4,7 +4,7 @@ after another, on the same engine and prompts: how much sharing vLLM's batches a
 Each call steers its own prompt with its own vector (`steer`, one prompt of `--length` tokens), so no two
 calls could have been merged by the caller. Both ways run in this process, interleaved, medians of `--reps`.
 
-    python benchmarks/concurrent_calls.py [--backend vllm|vllm-static] [--calls 32] [--length 64] [--quick]
+    python -m benchmarks.concurrent_calls [--backend vllm|vllm-static] [--calls 32] [--length 64] [--quick]
 """
 
 import argparse
