@@ -94,6 +94,23 @@ def family(request):
     return request.param
 
 
+class Payload:
+    """Unpickling this creates `path`: proof that something was executed (for the tests that a spec is data)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        from pathlib import Path
+
+        return Path.touch, (self.path,)
+
+
+def spec_dict(**op) -> dict:
+    """A saved spec (`Spec.to_dict` form) holding the single op `op`, written by hand."""
+    return {"interp_engine_spec": 1, "ops": [op]}
+
+
 def check_each_request_gets_its_own_vector(model, reference, close) -> list[str]:
     """16 requests in one engine batch, each steered with its own vector: requests 0, 7 and 15 each equal their
     solo run on `reference` (eager), compared with `close(ours, theirs, what)`. Returns the prompts."""

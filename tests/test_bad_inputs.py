@@ -10,7 +10,6 @@ import base64
 import contextlib
 import json
 import pickle
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ import torch
 from interp_engine import Address, Spec, capture, generate, load_model, logit_lens, run_with_grad, steer
 from interp_engine import spec as S
 from interp_engine.errors import BackendError, InputTypeError, InterpEngineError, LoadError, PointError, SpecError
+from tests.conftest import Payload, spec_dict
 from tests.skips import requires
 
 PROMPT = "Hello, world! Tell me a story"
@@ -378,25 +378,11 @@ def test_attention_patterns_need_eager_attention(eager, call):
 
 # ------------------------------------------------------------------------------------- specs read from data
 
-class _Payload:
-    """Unpickling this creates `path`: proof that something was executed."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __reduce__(self):
-        return Path.touch, (self.path,)
-
-
-def _spec_dict(**op) -> dict:
-    return {"interp_engine_spec": 1, "ops": [op]}
-
-
 @pytest.mark.parametrize("op_name", ["Evil", "os.system", "builtins.eval", "interp_engine.spec.Custom",
                                      "pathlib.Path.touch"])
 def test_spec_from_dict_refuses_unknown_ops_and_module_paths(eager, tmp_path, op_name):
     marker = tmp_path / "executed"
-    raw = _spec_dict(op=op_name, point="resid_post.0", fn="pathlib.Path.touch", args=[str(marker)])
+    raw = spec_dict(op=op_name, point="resid_post.0", fn="pathlib.Path.touch", args=[str(marker)])
     with pytest.raises(SpecError) as info:
         Spec.from_dict(raw)
     assert f"unknown op {op_name!r}" in str(info.value)
@@ -414,7 +400,7 @@ def test_spec_from_dict_refuses_unknown_fields(tmp_path):
 
 def test_spec_from_dict_never_unpickles(tmp_path):
     marker = tmp_path / "executed"
-    blob = pickle.dumps(_Payload(marker))
+    blob = pickle.dumps(Payload(marker))
     for raw in (blob, {"interp_engine_spec": 1, "ops": [blob]}):
         with pytest.raises(SpecError) as info:
             Spec.from_dict(raw)

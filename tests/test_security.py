@@ -20,6 +20,7 @@ from interp_engine import spec as S
 from interp_engine.backends.vllm.worker import WorkerCall
 from interp_engine.errors import InterpEngineError, SpecError
 from interp_engine.tiny import build_tiny_model
+from tests.conftest import Payload, spec_dict
 from tests.skips import requires
 
 PACKAGE = Path(__file__).resolve().parents[1] / "interp_engine"
@@ -78,20 +79,6 @@ def test_worker_rpcs_are_named_methods_with_data_arguments():
 
 # ------------------------------------------------------------------------------------- specs from disk
 
-class _Payload:
-    """Unpickling this creates `path`."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __reduce__(self):
-        return Path.touch, (self.path,)
-
-
-def _op(**fields) -> dict:
-    return {"interp_engine_spec": 1, "ops": [fields]}
-
-
 def test_a_spec_file_round_trips_from_disk(tmp_path):
     spec = S.Add("resid_post.1", torch.randn(8), scale=2.0, positions=[0, -1]) + S.Ablate("z.0", heads=[1])
     path = tmp_path / "spec.json"
@@ -122,19 +109,19 @@ def test_a_spec_file_round_trips_from_disk(tmp_path):
 ])
 def test_a_spec_file_cannot_name_code(tmp_path, fields):
     path = tmp_path / "spec.json"
-    path.write_text(json.dumps(_op(**fields)))
+    path.write_text(json.dumps(spec_dict(**fields)))
     with path.open() as f, pytest.raises(InterpEngineError) as info:
         Spec.from_dict(json.load(f))
     assert "Fix:" in str(info.value)
     with pytest.raises(InterpEngineError):  # the worker reads tables through the same gate
-        WorkerCall.from_table({"spec": _op(**fields), "reads": []})
+        WorkerCall.from_table({"spec": spec_dict(**fields), "reads": []})
 
 
 def test_tensor_bytes_are_raw_numbers_never_unpickled(tmp_path):
     marker = tmp_path / "executed"
-    blob = pickle.dumps(_Payload(marker))
+    blob = pickle.dumps(Payload(marker))
     blob += b"\0" * (-len(blob) % 4)
-    raw = _op(op="Set", point="resid_post.0", value={"dtype": "float32", "shape": [len(blob) // 4],
+    raw = spec_dict(op="Set", point="resid_post.0", value={"dtype": "float32", "shape": [len(blob) // 4],
                                                       "data": base64.b64encode(blob).decode()})
     try:
         spec = Spec.from_dict(raw)
@@ -145,7 +132,7 @@ def test_tensor_bytes_are_raw_numbers_never_unpickled(tmp_path):
 
 
 def test_dtype_names_come_from_a_fixed_table():
-    raw = _op(op="Add", point="resid_post.0", vector={"dtype": "float", "shape": [1], "data": "AACAPw=="})
+    raw = spec_dict(op="Add", point="resid_post.0", vector={"dtype": "float", "shape": [1], "data": "AACAPw=="})
     assert Spec.from_dict(raw).ops[0].vector.tensor.dtype == torch.float32  # torch's own aliases still read
 
 
