@@ -3,6 +3,7 @@
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
 import torch
 from jaxtyping import Int
 from torch import Tensor
