@@ -31,6 +31,7 @@ def _parser() -> argparse.ArgumentParser:
     size.add_argument("--max-model-len", type=int, default=None, help="default: the model's max_position_embeddings")
     size.add_argument("--concurrency", type=int, default=1, help="sequences of max-model-len at once (default 1)")
     size.add_argument("--static-points", default=None, help='vllm-static taps: "auto" or "resid_post.10,mlp_out.3"')
+    size.add_argument("--static-writes", default=None, help='vllm-static writes: "auto" or "resid_post.10,mlp_out.3"')
     size.add_argument("--gpu", default="H100-80GB", help=f"one of {', '.join(GPUS_MIB)} (default H100-80GB)")
     size.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of each GPU to use (0.9)")
     size.add_argument("--dtype", default="auto", help="auto (the checkpoint's), bfloat16, float16 or float32")
@@ -65,8 +66,11 @@ def _harvest(args) -> int:
     from interp_engine.harvest import harvest
     from interp_engine.loading import load_model
 
+    from interp_engine.backends import REGISTRY
+
     points = [p.strip() for p in args.points.split(",") if p.strip()]
-    keywords = {"static_points": points} if args.backend == "vllm-static" else {}
+    declares = args.backend in REGISTRY and REGISTRY[args.backend].declares_taps  # the taps come first there
+    keywords = {"static_points": points} if declares else {}
     try:
         model = load_model(args.model, backend=args.backend, device=args.device, dtype=args.model_dtype, **keywords)
     except InterpEngineError as e:
@@ -90,20 +94,25 @@ def main(argv: list[str] | None = None) -> int:
         return _harvest(args)
     from interp_engine.sizing import estimate
 
-    points = args.static_points
-    if points is not None and points != "auto":
-        points = [p.strip() for p in points.split(",") if p.strip()]
+    points, writes = (_listed(value) for value in (args.static_points, args.static_writes))
     quantization = None if str(args.quantization).lower() == "none" else args.quantization
     try:
         result = estimate(args.repo_or_path, backend=args.backend, quantization=quantization,
                           kv_cache_dtype=args.kv_cache_dtype, num_gpus=args.num_gpus, max_model_len=args.max_model_len,
-                          concurrency=args.concurrency, static_points=points, gpu=args.gpu,
+                          concurrency=args.concurrency, static_points=points, static_writes=writes, gpu=args.gpu,
                           gpu_memory_utilization=args.gpu_memory_utilization, dtype=args.dtype)
     except InterpEngineError as e:
         print(f"interp-engine size: {e}", file=sys.stderr)
         return 2
     print(result.report())
     return 0 if result.fits else 1
+
+
+def _listed(value: str | None) -> str | list[str] | None:
+    """`"auto"`, None, or a comma-separated list of points."""
+    if value is None or value == "auto":
+        return value
+    return [p.strip() for p in value.split(",") if p.strip()]
 
 
 if __name__ == "__main__":

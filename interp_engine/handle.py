@@ -3,7 +3,6 @@
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from jaxtyping import Int
@@ -11,6 +10,7 @@ from torch import Tensor
 
 from interp_engine.addresses import POINTS, Address
 from interp_engine.arch import Arch, Dims
+from interp_engine.backends.base import Capabilities, Runtime
 from interp_engine.errors import SpecError, fix
 from interp_engine.taps import Taps
 
@@ -29,7 +29,7 @@ class ModelHandle:
     requires_grad: bool
     arch: Arch
     dims: Dims
-    runtime: Any = field(repr=False, compare=False)
+    runtime: Runtime = field(repr=False, compare=False)
     taps: Taps | None = None  # vllm-static: the points its engine is compiled to read and write
 
     n_layers = property(lambda self: self.dims.n_layers)
@@ -39,6 +39,11 @@ class ModelHandle:
     d_head = property(lambda self: self.dims.d_head)
     d_mlp = property(lambda self: self.dims.d_mlp)
     d_vocab = property(lambda self: self.dims.d_vocab)
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this handle serves: its backend's verbs and points, narrowed by its attention or declared taps."""
+        return self.runtime.capabilities
 
     @property
     def is_loaded(self) -> bool:
@@ -54,12 +59,17 @@ class ModelHandle:
         await asyncio.to_thread(self.runtime.unload)
 
     def points(self) -> tuple[Address, ...]:
-        """Every address this handle can read, in point-table order (on vllm-static: the declared ones)."""
-        if self.taps is not None:
-            return tuple(sorted(self.taps.readable(), key=lambda a: (list(POINTS).index(a.point), a.layer or 0)))
+        """Every address this handle can read, in point-table order (on vllm-static: the declared ones; on
+        vllm-generate: none)."""
+        capabilities = self.capabilities
+        if not capabilities.points:
+            return ()
+        if capabilities.taps is not None:
+            return tuple(sorted(capabilities.taps.readable(),
+                                key=lambda a: (list(POINTS).index(a.point), a.layer or 0)))
         out = []
         for info in POINTS.values():
-            if info.needs_eager_attention and self.backend == "eager" and self.attn_implementation != "eager":
+            if info.needs_eager_attention and not capabilities.patterns:
                 continue
             if info.layered:
                 out += [Address(info.name, i) for i in range(self.n_layers)]

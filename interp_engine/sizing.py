@@ -15,7 +15,8 @@ Nothing is downloaded and no weights are read. Per GPU it adds:
   are priced at full length, an upper bound.
 - captures (vllm-static only): the read buffers its taps allocate (`Taps.buffers`: the declared points, the final
   norm's output, and q and k for an attention pattern), `tokens_per_step(gpu)` rows x this rank's width x the
-  model dtype. Write buffers (static_writes) are not priced.
+  model dtype; and for each declared write (`static_writes`) two buffers of the same rows and width, the `mul`
+  and `add` its taps apply (`backends/vllm/static.py`).
 - overhead: a fixed `OVERHEAD_BYTES` per GPU.
 
 Over num_gpus (tensor parallel on vLLM, device_map="auto" on eager) weights and KV divide by num_gpus, except the
@@ -44,7 +45,8 @@ from interp_engine.errors import BackendError, InputTypeError, LoadError, SpecEr
 from interp_engine.loading import load_model
 from interp_engine.quantization import (KV_CACHE_DTYPES, check_kv_cache_dtype, check_runs, check_scheme,
                                         check_shipped, shipped_quantization)
-from interp_engine.selection import VLLM_BACKENDS, Hardware, check_backend, checkpoint_dtype, resolve_dtype
+from interp_engine.backends import capabilities
+from interp_engine.selection import Hardware, check_backend, checkpoint_dtype, resolve_dtype
 from interp_engine.sizing_tables import (GPUS_MIB, LAYOUTS, OVERHEAD_BYTES, SCHEMES, GiB, Layout, Linear, Norm,
                                          Scheme, tokens_per_step)
 from interp_engine.taps import Taps, declare
@@ -200,6 +202,7 @@ class SizeEstimate:
     max_len_that_fits: int  # the longest max_model_len whose KV cache fits beside the rest, at this concurrency
     snippet: str
     notes: tuple[str, ...] = ()
+    static_writes: tuple[str, ...] = ()
 
     def report(self) -> str:
         def gib(n: int) -> str:
@@ -208,8 +211,9 @@ class SizeEstimate:
         spare = self.budget_bytes - self.per_gpu_bytes
         room = (f"the longest max_model_len that fits is {self.max_len_that_fits:,}" if self.max_len_that_fits
                 else "even with no KV cache it does not fit: quantize, add GPUs, or pick a larger card")
-        points = f"{len(self.static_points)} points x {tokens_per_step(self.gpu):,} tokens/step" \
-            if self.static_points else "no static points"
+        taps = ([f"{len(self.static_points)} points"] * bool(self.static_points)
+                + [f"{len(self.static_writes)} writes x 2 buffers (mul, add)"] * bool(self.static_writes))
+        points = f"{' + '.join(taps)} x {tokens_per_step(self.gpu):,} tokens/step" if taps else "no static points"
         return "\n".join([
             f"{self.repo_id}: {self.model_type}, {_human(self.params)} parameters, on {self.num_gpus} x {self.gpu}",
             f"  backend={self.backend} dtype={self.dtype} quantization={self.quantization} "
@@ -229,20 +233,20 @@ class SizeEstimate:
 
 def estimate(repo_or_path: Any, *, backend: str = "vllm", quantization: str | None = None,
              kv_cache_dtype: str | None = None, num_gpus: int = 1, max_model_len: int | None = None,
-             concurrency: int = 1, static_points: Any = None, gpu: str = "H100-80GB",
+             concurrency: int = 1, static_points: Any = None, static_writes: Any = None, gpu: str = "H100-80GB",
              gpu_memory_utilization: float = 0.9, dtype: Any = "auto") -> SizeEstimate:
     """Price load_model(repo_or_path, ...) on num_gpus x gpu from config.json alone (see the module docstring)."""
     source, config = read_config(repo_or_path)
     return estimate_from_config(config, repo_id=source, backend=backend, quantization=quantization,
                                 kv_cache_dtype=kv_cache_dtype, num_gpus=num_gpus, max_model_len=max_model_len,
-                                concurrency=concurrency, static_points=static_points, gpu=gpu,
-                                gpu_memory_utilization=gpu_memory_utilization, dtype=dtype)
+                                concurrency=concurrency, static_points=static_points, static_writes=static_writes,
+                                gpu=gpu, gpu_memory_utilization=gpu_memory_utilization, dtype=dtype)
 
 
 def estimate_from_config(config: Any, *, repo_id: str | None = None, backend: str = "vllm",
                          quantization: str | None = None, kv_cache_dtype: str | None = None, num_gpus: int = 1,
                          max_model_len: int | None = None, concurrency: int = 1, static_points: Any = None,
-                         gpu: str = "H100-80GB", gpu_memory_utilization: float = 0.9,
+                         static_writes: Any = None, gpu: str = "H100-80GB", gpu_memory_utilization: float = 0.9,
                          dtype: Any = "auto") -> SizeEstimate:
     """`estimate` for a config.json dict or a transformers config; `repo_id` is what the snippet loads."""
     config = to_config(config)
@@ -258,26 +262,29 @@ def estimate_from_config(config: Any, *, repo_id: str | None = None, backend: st
     if length > d.max_len:
         raise SpecError(fix(f"max_model_len={length} is above this model's limit of {d.max_len} tokens "
                             "(max_position_embeddings in config.json).", f"pass max_model_len={d.max_len} or less."))
-    points, vllm = _static_points(static_points, backend, d.n_layers), backend in VLLM_BACKENDS
+    points, writes = _taps(static_points, static_writes, backend, d.n_layers)
+    vllm = capabilities(backend).vllm_engine
     count, size = count_params(config), model_dtype.itemsize
     weights, replicated = count.bytes(size, scheme), count.norms * size
     weights_per_gpu = replicated + -(-(weights - replicated) // num_gpus)
     kv_token = kv_bytes_per_token(config, kv_cache_dtype, dtype=dtype)
     kv_token_per_gpu = (kv_token * max(d.n_kv_heads // num_gpus, 1) // d.n_kv_heads if vllm
                         else -(-kv_token // num_gpus))
-    # vllm-static's buffers, one step of rows each, at this rank's share of heads and neurons.
+    # vllm-static's buffers, one step of rows each, at this rank's share of heads and neurons: one per read
+    # buffer, two per write (mul and add).
     local = {"n_heads": d.n_heads // num_gpus, "n_kv_heads": max(d.n_kv_heads // num_gpus, 1), "d_head": d.d_head,
              "d_mlp": d.d_mlp // num_gpus, "d_model": d.d_model}
-    buffers = Taps(points, ()).buffers() if points else ()
+    buffers = (*(Taps(points, ()).buffers() if points or writes else ()), *writes, *writes)
     captures = size * tokens_per_step(gpu) * sum(math.prod(local[a] for a in p.info.axes if a in local)
                                                  for p in buffers)
     capacity = GPUS_MIB[gpu] * 2**20
     budget, fixed = int(capacity * gpu_memory_utilization), weights_per_gpu + captures + OVERHEAD_BYTES
     per_gpu = fixed + kv_token_per_gpu * length * concurrency
     notes = (["max_model_len and gpu_memory_utilization price the run; eager's load_model takes neither"]
-             * (backend == "eager")
+             * (not vllm)
              + ["concurrency prices simultaneous sequences; it is not a load_model argument"] * (concurrency > 1)
-             + ["no static_points declared, so nothing is captured"] * (backend == "vllm-static" and not points)
+             + ["no static_points declared, so nothing is captured"]
+             * (capabilities(backend).declares_taps and not points)
              + [f"the checkpoint ships quantized ({shipped}), so it is priced as shipped and the call has no "
                 "quantization="] * (shipped in SCHEMES)
              + [f"the checkpoint ships quantized ({shipped}); its weights are priced at {model_dtype}, an upper "
@@ -285,8 +292,7 @@ def estimate_from_config(config: Any, *, repo_id: str | None = None, backend: st
     priced = {"dtype": None if dtype == "auto" else str(dtype).removeprefix("torch."), "quantization": quantization,
               "kv_cache_dtype": None if kv_cache_dtype == "auto" else kv_cache_dtype,
               "num_gpus": None if num_gpus == 1 else num_gpus,
-              "static_points": (static_points if static_points in (None, "auto")
-                                else [str(Address.parse(p)) for p in static_points]),
+              "static_points": _priced(static_points), "static_writes": _priced(static_writes),
               "gpu_memory_utilization": gpu_memory_utilization if vllm and gpu_memory_utilization != 0.9 else None,
               "max_model_len": length if vllm and length != d.max_len else None}
     return SizeEstimate(
@@ -299,7 +305,7 @@ def estimate_from_config(config: Any, *, repo_id: str | None = None, backend: st
         overhead_bytes=OVERHEAD_BYTES, per_gpu_bytes=per_gpu, gpu_capacity_bytes=capacity, budget_bytes=budget,
         fits=per_gpu <= budget,
         max_len_that_fits=min(max(budget - fixed, 0) // (kv_token_per_gpu * concurrency), d.max_len),
-        snippet=snippet(repo_id, backend=backend, **priced), notes=tuple(notes))
+        snippet=snippet(repo_id, backend=backend, **priced), notes=tuple(notes), static_writes=tuple(map(str, writes)))
 
 
 def snippet(repo_id: str, *, backend: str, **priced: Any) -> str:
@@ -326,7 +332,7 @@ def _check_knobs(backend, quantization, kv_cache_dtype, num_gpus, concurrency, u
         raise SpecError(fix(f"gpu_memory_utilization={utilization!r} is not a fraction in (0, 1].",
                             "pass the share of each GPU's memory to use, e.g. 0.9 (the default)."))
     ok = [n for n in range(1, d.n_heads + 1) if d.n_heads % n == 0 and (d.n_kv_heads % n == 0 or n % d.n_kv_heads == 0)]
-    if backend in VLLM_BACKENDS and num_gpus not in ok:
+    if capabilities(backend).vllm_engine and num_gpus not in ok:
         raise SpecError(fix(f"num_gpus={num_gpus} cannot split {d.n_heads} attention heads and {d.n_kv_heads} KV "
                             "heads evenly, as vLLM's tensor parallelism needs.", f"use num_gpus in {ok}."))
 
@@ -347,11 +353,20 @@ def _gpu_name(gpu: Any) -> str:
                         f"did you mean {' or '.join(map(repr, near))}? Known GPUs: {', '.join(GPUS_MIB)}."))
 
 
-def _static_points(points: Any, backend: str, n_layers: int) -> tuple[Address, ...]:
-    if points is not None and backend != "vllm-static":
-        raise BackendError(fix(f"static_points= declares the taps of vllm-static; backend={backend!r} has none.",
-                               'use backend="vllm-static", or drop static_points=.'))
-    return declare(points, n_layers, keyword="static_points")
+def _taps(points: Any, writes: Any, backend: str, n_layers: int) -> tuple[tuple[Address, ...], tuple[Address, ...]]:
+    """(declared reads, declared writes), refused as load_model refuses them."""
+    for keyword, value in (("static_points", points), ("static_writes", writes)):
+        if value is not None and not capabilities(backend).declares_taps:
+            raise BackendError(fix(f"{keyword}= declares the taps of vllm-static; backend={backend!r} has none.",
+                                   f'use backend="vllm-static", or drop {keyword}=.'))
+    reads = declare(points, n_layers, keyword="static_points")
+    if writes is None:
+        return reads, ()
+    return reads, Taps.of(None, writes, n_layers).writes  # refuses an eager-only write, as load_model does
+
+
+def _priced(points: Any) -> Any:
+    return points if points in (None, "auto") else [str(Address.parse(p)) for p in points]
 
 
 def _human(n: int) -> str:

@@ -30,8 +30,8 @@ def _resolve(address: Address, model, problems: list) -> Address | None:
     except InterpEngineError as e:
         problems.append(e)
         return None
-    info = resolved.info
-    if info.needs_eager_attention and model.backend == "eager" and model.attn_implementation != "eager":
+    # Only eager narrows patterns away (HF attention other than "eager" never forms the weights).
+    if resolved.info.needs_eager_attention and not model.capabilities.patterns:
         problems.append(BackendError(fix(
             f"{resolved} needs attention weights, which {model.attn_implementation!r} attention never forms.",
             f'load with load_model({model.name!r}, backend="eager", attn_implementation="eager").')))
@@ -88,7 +88,9 @@ def plan(model, spec: Spec, reads: Iterable[Address], *, n_prompts: int, longest
     problems: list = []
     generating = purpose == "generate"
     reads = list(reads)
-    if model.backend == "vllm-generate" and (spec.ops or reads):
+    capabilities = model.capabilities
+    taps = capabilities.taps  # on vllm-static: only the declared points
+    if not capabilities.points and (spec.ops or reads):
         raise BackendError(fix('backend="vllm-generate" is plain vLLM: no taps, so no capture and no steering.',
                                f'load_model({model.name!r}, backend="vllm") serves any point per request, '
                                'and backend="eager" every point with gradients.'))
@@ -100,19 +102,19 @@ def plan(model, spec: Spec, reads: Iterable[Address], *, n_prompts: int, longest
         if generating and address.info.needs_eager_attention:
             problems.append(SpecError(fix(f"{address} cannot be edited while generating: the pattern grows every step.",
                                 "edit q/k/v instead, or steer() the full sequence.")))
-        if address.info.eager_only_write and model.backend != "eager":
+        if address.info.eager_only_write and not capabilities.eager_only_writes:
             problems.append(BackendError(fix(f"{address} can be written only on the eager backend.",
                                              'use backend="eager" to edit it.')))
-        if isinstance(op, Ablate) and op.how == "mean" and model.backend != "eager":
+        if isinstance(op, Ablate) and op.how == "mean" and not capabilities.mean_ablation:
             problems.append(BackendError(fix(
                 f"Ablate(how=\"mean\") at {address} averages over the call's batch, which vLLM's continuous "
                 "batching splits across steps, so the mean would depend on scheduling.",
                 f'compute the mean once and set it: m = capture(model, reference_prompts, ["{address}"])'
                 f'["{address}"].mean((0, 1)); S.Set("{address}", m) (or use backend="eager").')))
-        if isinstance(op, Custom) and model.backend != "eager":
+        if isinstance(op, Custom) and not capabilities.custom_ops:
             problems.append(BackendError(fix(f"Custom at {address} holds a Python function, which never crosses into a vLLM "
                                 "worker.", 'use backend="eager" for Custom ops, or express it with Add/Set/Scale/Ablate.')))
-        if model.taps is not None and (refused := model.taps.refusal(address, write=True)) is not None:
+        if taps is not None and (refused := taps.refusal(address, write=True)) is not None:
             problems.append(refused)
         feat = feature_shape(address, model.dims, longest)
         if isinstance(op, Add | Set | Patch):
@@ -140,7 +142,7 @@ def plan(model, spec: Spec, reads: Iterable[Address], *, n_prompts: int, longest
         if generating and resolved.info.needs_eager_attention:
             problems.append(SpecError(fix(f"{resolved} cannot be captured while generating: the pattern grows every step.",
                                 "capture it afterwards: capture(model, out.sequences, [...]).")))
-        if model.taps is not None and (refused := model.taps.refusal(resolved, write=False)) is not None:
+        if taps is not None and (refused := taps.refusal(resolved, write=False)) is not None:
             problems.append(refused)
         resolved_reads.append(resolved)
     if len(problems) == 1:

@@ -7,14 +7,13 @@ import functools
 import inspect
 from typing import Any
 
+from interp_engine.backends.base import Capabilities
 from interp_engine.errors import InputTypeError, SpecError, fix
 
 # Engine arguments load_model sets itself, and the keyword that sets each.
 OWNED = {"model": "repo_id", "tokenizer": "repo_id", "dtype": "dtype", "tensor_parallel_size": "num_gpus",
          "quantization": "quantization", "load_format": "quantization", "kv_cache_dtype": "kv_cache_dtype",
          "max_model_len": "max_model_len", "gpu_memory_utilization": "gpu_memory_utilization"}
-# What backend="vllm" needs for its Python hooks: an uncompiled model and the worker extension.
-HOOKS = ("enforce_eager", "worker_extension_cls", "worker_cls")
 
 
 @functools.cache
@@ -41,7 +40,7 @@ def check_plain_keywords(kwargs: dict[str, Any], load_model_keywords: list[str])
                         f"did you mean {near[0]!r}? Or use backend=\"eager\" for from_pretrained keywords."))
 
 
-def check_extra(extra: Any, backend: str) -> dict[str, Any]:
+def check_extra(extra: Any, capabilities: Capabilities) -> dict[str, Any]:
     if extra is None:
         return {}
     if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
@@ -51,15 +50,11 @@ def check_extra(extra: Any, backend: str) -> dict[str, Any]:
     if owned:
         raise SpecError(fix(f"extra_vllm_kwargs sets {', '.join(owned)}, which load_model sets itself.",
                             "pass " + ", ".join(sorted({f"{OWNED[k]}=" for k in owned})) + " instead."))
-    hooks = sorted(k for k in extra if k in HOOKS)
-    if backend == "vllm" and hooks:
-        raise SpecError(fix(f"extra_vllm_kwargs sets {', '.join(hooks)}, which backend=\"vllm\" fixes: its hooks "
-                            "need an uncompiled model (enforce_eager=True) and interp_engine's worker extension.",
-                            f'drop {", ".join(hooks)}; backend="vllm-generate" runs a plain engine.'))
-    if backend == "vllm-static" and hooks and hooks != ["enforce_eager"]:
-        taken = [h for h in hooks if h != "enforce_eager"]
-        raise SpecError(fix(f"extra_vllm_kwargs sets {', '.join(taken)}, which backend=\"vllm-static\" fixes: its "
-                            "taps are installed by interp_engine's worker class.", f'drop {", ".join(taken)}.'))
+    fixed = sorted(k for k in extra if k in capabilities.fixed_engine_args)
+    if fixed:
+        raise SpecError(fix(f"extra_vllm_kwargs sets {', '.join(fixed)}, which backend=\"{capabilities.backend}\" "
+                            f"fixes: {capabilities.fixed_because}.",
+                            f"drop {', '.join(fixed)}{capabilities.fixed_instead}."))
     unknown = sorted(k for k in extra if k not in engine_arg_names())
     if unknown:
         near = difflib.get_close_matches(unknown[0], sorted(engine_arg_names()), n=1, cutoff=0.0)

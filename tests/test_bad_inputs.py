@@ -473,7 +473,8 @@ def test_unknown_quantization_scheme_suggests_the_nearest(eager, tiny_path):
     ("gpu_memory_utilization", 0.85), ("max_model_len", 4096), ("extra_vllm_kwargs", {"enable_prefix_caching": False}),
 ])
 def test_vllm_only_keywords_refused_on_eager(eager, tiny_path, keyword, value):
-    assert_load_refused(eager, BackendError, (f"{keyword}= is a vLLM setting", f"drop {keyword}= for eager"),
+    where = 'backend="vllm-static"' if keyword.startswith("static") else 'backend="vllm"'  # the one that takes it
+    assert_load_refused(eager, BackendError, (f"{keyword}= is a vLLM setting", f"drop {keyword}= for eager", where),
                         str(tiny_path("llama")), backend="eager", **{keyword: value})
 
 

@@ -225,6 +225,25 @@ def test_static_points_price_the_buffers_the_taps_allocate():
     assert scores.capture_bytes == 16_384 * (64 * 128 + 8 * 128 + 5120) * 2
 
 
+def test_static_writes_price_a_mul_and_an_add_buffer_each():
+    """vllm-static gives each declared write two buffers (mul and add), a step of rows at this rank's width,
+    beside the read buffers; a write alone still has the final norm's read buffer (logits come from it)."""
+    reads = estimate_from_config(QWEN3_32B, backend="vllm-static", static_points=["resid_post.10"])
+    writes = ["resid_post.10", "mlp_act.3", "q.0", "k.-1"]
+    both = estimate_from_config(QWEN3_32B, backend="vllm-static", static_points=["resid_post.10"],
+                                static_writes=writes)
+    assert both.capture_bytes - reads.capture_bytes == 2 * 16_384 * (5120 + 25600 + 64 * 128 + 8 * 128) * 2
+    assert both.static_writes == ("resid_post.10", "mlp_act.3", "q.0", "k.63")
+    sharded = estimate_from_config(QWEN3_32B, backend="vllm-static", static_writes=writes, num_gpus=4)
+    assert sharded.capture_bytes == 16_384 * (5120 + 2 * (5120 + 25600 // 4 + 16 * 128 + 2 * 128)) * 2
+    auto = estimate_from_config(QWEN3_32B, backend="vllm-static", static_writes="auto")
+    assert auto.capture_bytes == (1 + 2 * 64) * 16_384 * 5120 * 2
+    assert 'static_writes="auto"' in auto.snippet and "64 writes x 2 buffers (mul, add) x 16,384" in auto.report()
+    listed = _call(both.snippet)
+    assert {k.arg: ast.literal_eval(k.value) for k in listed.keywords}["static_writes"] == [
+        "resid_post.10", "mlp_act.3", "q.0", "k.-1"]
+
+
 def test_kv_heads_are_replicated_when_gpus_outnumber_them():
     config = {"model_type": "llama", **_BASE["llama"], "vocab_size": 512}  # 4 heads, 2 KV heads
     one, four = (estimate_from_config(config, num_gpus=n) for n in (1, 4))
@@ -256,9 +275,10 @@ def _call(snippet: str) -> ast.Call:
     {"backend": "vllm-static", "static_points": ["resid_post.10", "z.-1"], "max_model_len": 4096,
      "gpu_memory_utilization": 0.85},
     {"backend": "vllm-static", "static_points": "auto", "dtype": "float16"},
+    {"backend": "vllm-static", "static_points": ["resid_post.10"], "static_writes": ["resid_post.10", "mlp_act.3"]},
     {"backend": "vllm-generate", "kv_cache_dtype": "fp8_e5m2", "concurrency": 8, "max_model_len": 2048},
     {"backend": "eager", "quantization": "bnb-4bit", "max_model_len": 4096, "gpu_memory_utilization": 0.5},
-], ids=["defaults", "fp8-tp2", "static-list", "static-auto", "generate", "eager-bnb"])
+], ids=["defaults", "fp8-tp2", "static-list", "static-auto", "static-writes", "generate", "eager-bnb"])
 def test_snippet_is_the_priced_load_model_call(knobs):
     result = estimate_from_config(LLAMA_8B, repo_id="meta-llama/Llama-3.1-8B", **knobs)
     call = _call(result.snippet)
@@ -296,6 +316,11 @@ def test_cli_static_points_and_a_misfit(tmp_path, capsys):
                  "--gpu", "H200-141GB"]) == 0
     out = capsys.readouterr().out
     assert "static_points=[\"resid_post.3\", \"mlp_out.4\"]" in out and "gpu_memory_utilization=0.8" in out
+    assert main(["size", str(folder), "--backend", "vllm-static", "--static-points", "auto", "--static-writes",
+                 "resid_post.3", "--gpu", "H200-141GB"]) == 0
+    out = capsys.readouterr().out
+    assert 'static_points="auto", static_writes=["resid_post.3"]' in out
+    assert "64 points + 1 writes x 2 buffers (mul, add)" in out
     assert main(["size", str(folder), "--gpu", "a100-40gb"]) == 1  # names match case-insensitively
     assert "fits: NO" in capsys.readouterr().out
 
@@ -328,6 +353,10 @@ def test_cli_bad_input_exits_2_with_the_fix(tmp_path, capsys):
     ({"backend": "auto"}, BackendError, ["name the backend"]),
     ({"backend": "vlm"}, BackendError, ["'vllm'"]),
     ({"static_points": "auto"}, BackendError, ["vllm-static"]),
+    ({"static_writes": ["resid_post.3"]}, BackendError, ["static_writes=", "vllm-static"]),
+    ({"backend": "eager", "static_writes": "auto"}, BackendError, ["static_writes=", "vllm-static"]),
+    ({"backend": "vllm-static", "static_writes": ["logits"]}, SpecError, ["only on the eager backend"]),
+    ({"backend": "vllm-static", "static_writes": ["resid_post.32"]}, PointError, ["0..31"]),
     ({"backend": "vllm-static", "static_points": "resid_post.3"}, SpecError, ["static_points=[\"resid_post.10\"]"]),
     ({"backend": "vllm-static", "static_points": ["resid_pst.3"]}, PointError, ["'resid_post'"]),
     ({"backend": "vllm-static", "static_points": ["resid_post.32"]}, PointError, ["0..31"]),

@@ -1,13 +1,110 @@
-"""What every backend runtime shares: the tokenizer side, loaded with the handle (no weights needed), and the
-default way of capturing a stream of chunks."""
+"""The backend contract: what every runtime does (`Runtime`), what each backend serves (`Capabilities`), and the
+tokenizer side every runtime shares.
 
-from collections.abc import Iterable, Iterator
+Code outside `interp_engine/backends/` and `selection.py` never compares backend names: it asks a handle's
+`capabilities` (or, before loading, `interp_engine.backends.capabilities(name)`).
+"""
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import torch
+from torch import Tensor
 
 from interp_engine.addresses import Address
 from interp_engine.inputs import Prompts
+from interp_engine.taps import Taps
 from interp_engine.validate import Plan
+
+# The pure functions a backend may serve.
+VERBS = ("capture", "steer", "generate", "logit_lens", "run_with_grad")
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a backend serves. The registry holds one per backend (`interp_engine.backends.REGISTRY`); a loaded
+    handle holds its own (`model.capabilities`), narrowed by its attention implementation or declared taps."""
+
+    backend: str  # the name load_model takes
+    verbs: frozenset[str]  # the pure functions it serves (VERBS)
+    points: bool  # reads or writes any point at all (False: plain generation)
+    patterns: bool  # attn_scores and attn_probs are readable
+    eager_only_writes: bool  # attn_scores, attn_probs and logits are writable (points with eager_only_write)
+    mean_ablation: bool  # Ablate(how="mean"): the call's batch is one forward, so its mean is defined
+    custom_ops: bool  # Custom: a Python function runs where the activations are
+    gradients: bool  # run_with_grad: autograd through the forward (requires_grad=True at load)
+    quantization: frozenset[str]  # schemes it applies on load (quantization.py says how)
+    vllm_engine: bool  # a vLLM engine: kv_cache_dtype, gpu_memory_utilization, max_model_len, extra_vllm_kwargs
+    declares_taps: bool  # points are compiled in at load: static_points= and static_writes=
+    fixed_engine_args: tuple[str, ...] = ()  # extra_vllm_kwargs it sets itself, refused from the user ...
+    fixed_because: str = ""  # ... because of this
+    fixed_instead: str = ""  # ... and what to do instead, after "drop them"
+    attn_implementation: str | None = None  # per handle, HF attention on eager (None: the backend's own kernels)
+    taps: Taps | None = None  # per handle, on a backend that declares taps: the declared points
+
+    def serves(self, verb: str) -> bool:
+        return verb in self.verbs
+
+    def can_read(self, address: Address) -> bool:
+        """Whether a resolved address is readable on this handle (what `validate.plan` accepts)."""
+        return (self.points and (self.patterns or not address.info.needs_eager_attention)
+                and (self.taps is None or address in self.taps.readable()))
+
+    def can_write(self, address: Address) -> bool:
+        """Whether a resolved address is writable on this handle (what `validate.plan` accepts for an Add)."""
+        return (self.points and (self.patterns or not address.info.needs_eager_attention)
+                and (self.eager_only_writes or not address.info.eager_only_write)
+                and (self.taps is None or address in self.taps.writes))
+
+
+@runtime_checkable
+class Runtime(Protocol):
+    """What a handle calls on its backend. The tokenizer side works before `load()`; everything else loads lazily.
+
+    `forward`, `stream` and `lens` take a validated `Plan` and return points as `capture` lays them out
+    ([batch, pos, ...], zeros at padding); `generate` returns the new ids per prompt and the points read."""
+
+    capabilities: Capabilities
+
+    @property
+    def is_loaded(self) -> bool: ...
+
+    def load(self) -> Any: ...
+
+    def unload(self) -> None: ...
+
+    def tokenize(self, text: str, *, prepend_bos: bool = True) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    @property
+    def pad_id(self) -> int: ...
+
+    @property
+    def eos_id(self) -> int | None: ...
+
+    def forward(self, prompts: Prompts, plan: Plan, *, batch_size: int, want_logits: bool,
+                progress: bool = True) -> tuple[Tensor | None, dict[Address, Tensor]]: ...
+
+    def stream(self, chunks: Iterable[tuple[Prompts, Plan]], *, batch_size: int
+               ) -> Iterator[tuple[Prompts, dict[Address, Tensor]]]: ...
+
+    def generate(self, prompts: Prompts, plan: Plan, *, max_new_tokens: int, temperature: float,
+                 top_k: int | None, top_p: float | None, seed: int | None, stop_at_eos: bool, batch_size: int,
+                 progress: bool = True) -> tuple[list[list[int]], dict[Address, Tensor]]: ...
+
+    def lens(self, prompts: Prompts, plan: Plan, *, batch_size: int,
+             progress: bool = True) -> dict[Address, Tensor]: ...
+
+
+@runtime_checkable
+class GradientRuntime(Runtime, Protocol):
+    """A runtime whose capabilities say `gradients`: `run_with_grad` calls this."""
+
+    def forward_with_grad(self, prompts: Prompts, plan: Plan, *, loss: Callable[[Tensor], Tensor],
+                          wrt: tuple[Address, ...], shapes: Mapping[Address, tuple[int, ...]]
+                          ) -> tuple[Tensor, dict[Address, Tensor]]: ...
 
 
 class TokenizerRuntime:

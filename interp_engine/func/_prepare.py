@@ -7,20 +7,12 @@ import typing
 from collections.abc import Callable, Iterable
 
 from interp_engine.addresses import Address
+from interp_engine.backends import serving
 from interp_engine.errors import BackendError, InputTypeError, SpecError, fix
 from interp_engine.handle import ModelHandle
 from interp_engine.inputs import Prompts, to_prompts
 from interp_engine.spec import as_spec
 from interp_engine.validate import Plan, plan
-
-# Which backends serve each pure function in this build.
-SERVED_BY = {
-    "capture": ("eager", "vllm", "vllm-static"),
-    "steer": ("eager", "vllm", "vllm-static"),
-    "generate": ("eager", "vllm", "vllm-static", "vllm-generate"),
-    "logit_lens": ("eager", "vllm", "vllm-static"),
-    "run_with_grad": ("eager",),
-}
 
 
 def prepare(model, tokens, spec, reads: Iterable, *, purpose: str, verb: str,
@@ -28,9 +20,8 @@ def prepare(model, tokens, spec, reads: Iterable, *, purpose: str, verb: str,
     if not isinstance(model, ModelHandle):
         raise InputTypeError(fix(f"{verb}() takes a model handle first, got {type(model).__name__}.",
                                  f'model = load_model("path/or/repo"); {verb}(model, ...).'))
-    served = SERVED_BY[verb]
-    if model.backend not in served:
-        names = " or ".join(f'backend="{b}"' for b in served)
+    if not model.capabilities.serves(verb):
+        names = " or ".join(f'backend="{b}"' for b in serving(verb))
         raise BackendError(fix(f"{verb}() is not served by backend={model.backend!r}.",
                                f"load the model with {names}."))
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:

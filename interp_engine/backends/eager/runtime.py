@@ -14,6 +14,7 @@ from interp_engine.addresses import Address
 from interp_engine.arch import Arch, Dims
 from interp_engine.backends.base import TokenizerRuntime
 from interp_engine.backends.eager import attention
+from interp_engine.backends.eager.capabilities import for_handle
 from interp_engine.edits import Step
 from interp_engine.backends.eager.sites import Run, installed
 from interp_engine.errors import LoadError, fix
@@ -31,6 +32,7 @@ class EagerRuntime(TokenizerRuntime):
         self.source, self.arch, self.dims = source, arch, dims
         self.device, self.dtype, self.attn_implementation = device, dtype, attn_implementation
         self.num_gpus, self.hf_kwargs, self.tokenizer = num_gpus, dict(hf_kwargs), tokenizer
+        self.capabilities = for_handle(attn_implementation)
         self.model: torch.nn.Module | None = None
         self._lock = threading.Lock()
         # Hooks live on the shared modules while a call runs, so calls on one handle take turns.

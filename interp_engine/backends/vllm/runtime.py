@@ -23,6 +23,7 @@ from torch import Tensor
 from interp_engine.addresses import Address
 from interp_engine.arch import Arch, Dims
 from interp_engine.backends.base import TokenizerRuntime
+from interp_engine.backends.vllm.capabilities import for_handle
 from interp_engine.errors import BackendError, LoadError, fix
 from interp_engine.inputs import Prompts
 from interp_engine.spec import Spec
@@ -57,6 +58,7 @@ class VllmRuntime(TokenizerRuntime):
                  num_gpus: int, engine_kwargs: Mapping[str, Any], tokenizer, taps: Taps | None = None):
         self.source, self.name, self.backend, self.arch, self.dims = source, name, backend, arch, dims
         self.taps = taps  # vllm-static: what the engine is compiled with
+        self.capabilities = for_handle(backend, taps)
         self.dtype, self.num_gpus, self.engine_kwargs, self.tokenizer = dtype, num_gpus, dict(engine_kwargs), tokenizer
         self.llm = None
         self._procs: list = []
