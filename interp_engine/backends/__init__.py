@@ -4,7 +4,6 @@
 with its own `model.capabilities`. `loader(name)` is the backend's load function, imported when called.
 """
 
-import importlib
 from collections.abc import Callable
 from types import MappingProxyType
 
@@ -16,10 +15,6 @@ __all__ = ["Capabilities", "GradientRuntime", "REGISTRY", "Runtime", "capabiliti
 
 REGISTRY: MappingProxyType[str, Capabilities] = MappingProxyType(
     {c.backend: c for c in (EAGER, VLLM, VLLM_STATIC, VLLM_GENERATE)})
-# Each backend package's module holding `load(repo_id, source, config, selection, hardware, **keywords)`.
-_LOADERS = MappingProxyType({"eager": "interp_engine.backends.eager.load", "vllm": "interp_engine.backends.vllm.load",
-                             "vllm-static": "interp_engine.backends.vllm.load",
-                             "vllm-generate": "interp_engine.backends.vllm.load"})
 
 
 def capabilities(backend: str) -> Capabilities:
@@ -33,4 +28,10 @@ def serving(verb: str) -> tuple[str, ...]:
 
 
 def loader(backend: str) -> Callable:
-    return importlib.import_module(_LOADERS[backend]).load
+    """The backend's `load(repo_id, source, config, selection, hardware, **keywords)`, imported when asked for
+    (named imports, never a module name from data)."""
+    if REGISTRY[backend].vllm_engine:
+        from interp_engine.backends.vllm.load import load
+    else:
+        from interp_engine.backends.eager.load import load
+    return load
