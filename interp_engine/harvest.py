@@ -55,8 +55,10 @@ def harvest(model: ModelHandle, prompts: str | os.PathLike | Iterable, points: S
     takes `chunk_prompts` prompts (enough to fill vLLM's batch); a shard closes at the first chunk boundary
     at or past `shard_tokens` tokens. Activations are stored in `dtype` (default: the model's).
     Memory holds two shards (one being written in the background) and two chunks' rows (on vLLM the next chunk
-    is in the engine while the last is stored), whatever the input size. A rerun into the same folder skips finished shards (after checking their prompts are the
-    same and their files verify: one that does not is redone, with those after it) and resumes after them. Returns the harvest, read back lazily (`load_harvest`).
+    is in the engine while the last is stored), whatever the input size. A rerun into the same folder skips
+    finished shards (after checking their prompts are the same and their files verify, digest included: one that
+    does not is redone, with those after it) and resumes after them. Returns the harvest, read back lazily
+    (`load_harvest`).
     """
     for name, value in (("shard_tokens", shard_tokens), ("chunk_prompts", chunk_prompts)):
         if isinstance(value, bool) or value < 1:
