@@ -206,8 +206,8 @@ def _check_tensors(header: dict, expected: dict, path: Path, data_bytes: int) ->
         entry = header[name]
         got = (entry.get("dtype"), entry.get("shape")) if isinstance(entry, dict) else (None, None)
         span = entry.get("data_offsets") if isinstance(entry, dict) else None
-        if got[0] != code or not isinstance(got[1], list) or (shape is not None and got[1] != shape) or \
-                (shape is None and got[1][:1] != expected["tokens"][1]):
+        if got[0] != code or not isinstance(got[1], list) or not all(_is_int(d) and d >= 0 for d in got[1]) or \
+                (shape is not None and got[1] != shape) or (shape is None and got[1][:1] != expected["tokens"][1]):
             want = shape if shape is not None else f"[{expected['tokens'][1][0]}, ...]"
             raise HarvestError(fix(f"{path}: {name} is {got[0]} {got[1]}, the manifest says {code} {want}.", _REDO))
         width = {"I64": 8, **{c: w for c, w in _CODES.values()}}[code]

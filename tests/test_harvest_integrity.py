@@ -279,3 +279,38 @@ def test_cli_reports_a_damaged_folder_in_a_message_not_a_traceback(folder, tiny_
     (folder / "manifest.json").write_text(json.dumps(_edit_ok))
     assert cli(args) == 2
     assert "lacks 'model'" in capsys.readouterr().err
+
+
+VALUES = [None, -1, 0, 1, 7, 2**70, 1.5, float("nan"), "", "x", "../x", "/etc/passwd", "shard-00000.safetensors", [],
+          [1], ["resid_post.1"], {}, {"a": 1}, True, False]
+
+
+def test_random_manifest_and_header_damage_gives_only_library_errors(folder):
+    """Seeded random damage (a manifest value replaced by a random JSON value, or header bytes of a shard changed,
+    with the manifest's size and sha256 forged to match): load_harvest and a full read either work or raise
+    HarvestError; nothing else escapes."""
+    import random
+
+    rng, clean, path = random.Random(19), _manifest(folder), folder / "shard-00001.safetensors"
+    original, outcomes = path.read_bytes(), {"refused": 0, "read": 0}
+    header_end = 8 + struct.unpack("<Q", original[:8])[0]
+    for trial in range(400):
+        m, shard_bytes = json.loads(json.dumps(clean)), bytearray(original)
+        if trial % 2:
+            target = m if rng.random() < 0.4 else rng.choice(m["shards"])
+            target[rng.choice(sorted(target))] = rng.choice(VALUES)
+        else:
+            for _ in range(rng.randint(1, 3)):
+                shard_bytes[rng.randrange(header_end)] = rng.randrange(256)
+            path.write_bytes(bytes(shard_bytes))
+            m["shards"][1].update(bytes=len(shard_bytes), sha256=file_digest(path))
+        (folder / "manifest.json").write_text(json.dumps(m))
+        try:
+            h = load_harvest(folder, partial=True, verify="eager")
+            [h.shard(k) for k in range(h.n_shards)], h.prompt(h.n_prompts - 1), h[h.n_tokens - 1]
+            outcomes["read"] += 1
+        except HarvestError as e:
+            assert "Fix:" in str(e)
+            outcomes["refused"] += 1
+        path.write_bytes(original)
+    assert outcomes["refused"] > 200 and outcomes["read"] > 10, outcomes
