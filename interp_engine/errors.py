@@ -24,6 +24,10 @@ class LoadError(InterpEngineError, RuntimeError):
     """A model cannot be loaded as asked (missing files, unknown architecture, bad keyword)."""
 
 
+class HarvestError(LoadError):
+    """A harvest folder fails verification (damaged or edited manifest, missing or changed shard)."""
+
+
 class InputTypeError(InterpEngineError, TypeError):
     """An argument has the wrong type."""
 

@@ -1,8 +1,8 @@
 """Harvesting activations to disk: sharded safetensors and a JSON manifest, resumable, memory bounded.
 
     OUT/manifest.json            what was harvested (model, points, spec fingerprint, dtype, sizes, library
-                                 version) and every finished shard: its first prompt, prompt and token counts,
-                                 and a digest of its token ids
+                                 version, each point's row shape) and every finished shard: its first prompt,
+                                 prompt and token counts, a digest of its token ids, its size and sha256
     OUT/shard-00000.safetensors  "tokens" [T] int64; "offsets" [P+1] int64 (prompt i is rows offsets[i] to
                                  offsets[i+1]); one [T, ...] tensor per point, named as str(address)
 
@@ -13,13 +13,12 @@ engine's batch stays full. Chunks are counted from the first prompt and a shard 
 interrupted run that resumes makes the same capture calls, and the same files, as one that never stopped.
 """
 
-import bisect
 import contextlib
 import hashlib
 import itertools
 import json
 import os
-from array import array
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterable, Iterator, Sequence, Sized
 from pathlib import Path
@@ -31,14 +30,15 @@ from jaxtyping import jaxtyped
 from tqdm.auto import tqdm
 
 from interp_engine.addresses import Address
-from interp_engine.errors import InputTypeError, InterpEngineError, SpecError, fix
+from interp_engine.errors import HarvestError, InputTypeError, InterpEngineError, SpecError, fix
 from interp_engine.handle import ModelHandle
+from interp_engine.harvest_read import Harvest, _verified, load_harvest  # noqa: F401 (re-exported)
+from interp_engine.harvest_store import (FORMAT, MANIFEST, TMP, check_shard, read_manifest, token_digest,
+                                         verify_digest, write_json, write_shard)
 from interp_engine.spec import FLOAT_DTYPES, Op, Spec, as_spec
+from interp_engine.warnings import InterpEngineWarning
 
-FORMAT = "interp_engine.harvest/1"
-MANIFEST = "manifest.json"
 _END = object()
-_TMP = ".tmp-"  # prefix of files being written; never listed in the manifest, removed on the next run
 # Settings a resumed run must share with the run that wrote the folder (anything else changes the files).
 IDENTITY = ("format", "model", "points", "spec_fingerprint", "dtype", "shard_tokens", "chunk_prompts")
 
@@ -55,8 +55,10 @@ def harvest(model: ModelHandle, prompts: str | os.PathLike | Iterable, points: S
     takes `chunk_prompts` prompts (enough to fill vLLM's batch); a shard closes at the first chunk boundary
     at or past `shard_tokens` tokens. Activations are stored in `dtype` (default: the model's).
     Memory holds two shards (one being written in the background) and two chunks' rows (on vLLM the next chunk
-    is in the engine while the last is stored), whatever the input size. A rerun into the same folder skips finished shards (after checking their prompts are the
-    same) and resumes after them. Returns the harvest, read back lazily (`load_harvest`).
+    is in the engine while the last is stored), whatever the input size. A rerun into the same folder skips
+    finished shards (after checking their prompts are the same and their files verify, digest included: one that
+    does not is redone, with those after it) and resumes after them. Returns the harvest, read back lazily
+    (`load_harvest`).
     """
     for name, value in (("shard_tokens", shard_tokens), ("chunk_prompts", chunk_prompts)):
         if isinstance(value, bool) or value < 1:
@@ -85,7 +87,7 @@ def harvest(model: ModelHandle, prompts: str | os.PathLike | Iterable, points: S
         if next(source, None) is not None:
             raise SpecError(fix(f"{out} holds a finished harvest of {manifest['n_prompts']} prompts, and {described} "
                                 "has more.", "harvest into a new folder (or delete this one to start over)."))
-        return load_harvest(out)
+        return _verified(out)
 
     bar = tqdm(desc=f"harvest {model.name}", unit="tok", unit_scale=True, disable=not progress)
     bar.set_postfix_str(_progress(done_prompts, count))
@@ -107,29 +109,13 @@ def harvest(model: ModelHandle, prompts: str | os.PathLike | Iterable, points: S
             if held >= shard_tokens:
                 if pending is not None:
                     pending.result()
-                pending = writer.submit(_write_shard, out, manifest, shard, complete=False)
+                pending = writer.submit(write_shard, out, manifest, shard, complete=False)
                 shard, held = [], 0
         if pending is not None:
             pending.result()
-    _write_shard(out, manifest, shard, complete=True)
+    write_shard(out, manifest, shard, complete=True)
     bar.close()
-    return load_harvest(out)
-
-
-def load_harvest(out_dir: str | os.PathLike, *, partial: bool = False) -> "Harvest":
-    """A harvest folder, read lazily. Refuses one still being written unless `partial=True` (then: its
-    finished shards)."""
-    out = Path(out_dir)
-    manifest = _read_manifest(out)
-    if manifest is None:
-        raise SpecError(fix(f"{out} holds no {MANIFEST}: it is not a harvest folder.",
-                            "pass the out_dir given to harvest(...) or interp-engine harvest --out."))
-    if not manifest["complete"] and not partial:
-        raise SpecError(fix(f"the harvest in {out} is unfinished ({len(manifest['shards'])} shards, "
-                            f"{manifest['n_prompts']} prompts so far).",
-                            "rerun the same harvest(...) to finish it, or load_harvest(out, partial=True) to read "
-                            "the finished shards."))
-    return Harvest(out, manifest)
+    return _verified(out)
 
 
 # ----------------------------------------------------------------------------------------------- checks
@@ -233,21 +219,24 @@ def _chunks(source: Iterator, size: int) -> Iterator[list]:
         yield chunk
 
 
-def _digest(ids: Iterable[Sequence[int]], h=None):
-    h = h or hashlib.sha256()
-    for row in ids:
-        h.update(array("q", [len(row), *row]).tobytes())
-    return h
-
-
 def _skip_finished(source: Iterator, manifest: dict, tokenize, out: Path) -> int:
-    """Consume the prompts of the finished shards, checking each shard's token digest; return their count."""
+    """Consume the prompts of the finished shards, checking each shard's token digest; return their count.
+
+    A shard whose file does not verify (missing, truncated, bytes changed: checked in full, digest included)
+    is redone, with every shard after it: the manifest is cut back to the shards before it, so the run goes on
+    from there and writes the same files a clean run would."""
     done = 0
     for i, shard in enumerate(manifest["shards"]):
+        try:
+            check_shard(out, manifest, i)
+            verify_digest(out, manifest, i)
+        except HarvestError as e:
+            _cut(out, manifest, i, str(e).split("\n")[0])
+            break
         h = hashlib.sha256()
         seen = 0
         for chunk in _chunks(itertools.islice(source, shard["prompts"]), manifest["chunk_prompts"]):
-            _digest(tokenize(chunk), h)
+            token_digest(tokenize(chunk), h)
             seen += len(chunk)
         if seen != shard["prompts"] or h.hexdigest() != shard["token_digest"]:
             first, last = shard["first_prompt"], shard["first_prompt"] + shard["prompts"] - 1
@@ -258,34 +247,43 @@ def _skip_finished(source: Iterator, manifest: dict, tokenize, out: Path) -> int
     return done
 
 
+def _cut(out: Path, manifest: dict, k: int, why: str) -> None:
+    warnings.warn(f"{why} Redoing shard {k} and the {len(manifest['shards']) - k - 1} after it.",
+                  InterpEngineWarning, stacklevel=4)
+    for shard in manifest["shards"][k:]:  # the run rewrites them: none may outlive the manifest that lists it
+        (out / shard["file"]).unlink(missing_ok=True)
+    del manifest["shards"][k:]
+    manifest["n_prompts"] = sum(s["prompts"] for s in manifest["shards"])
+    manifest["n_tokens"] = sum(s["tokens"] for s in manifest["shards"])
+    manifest["complete"] = False
+    write_json(out / MANIFEST, manifest)
+
+
 # ---------------------------------------------------------------------------------------------- on disk
-def _read_manifest(out: Path) -> dict | None:
-    path = out / MANIFEST
-    if not path.is_file():
-        return None
-    return json.loads(path.read_text())
-
-
 def _open(out: Path, identity: dict) -> dict:
     """The manifest to continue: a fresh one for an empty folder (or one whose manifest lists no finished shard),
     the existing one when its settings match; refused otherwise, naming every difference."""
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / f"{_TMP}probe-{os.getpid()}"
+        probe = out / f"{TMP}probe-{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
         raise SpecError(fix(f"cannot write to {out}: {e.strerror or e}.",
                             "choose a folder you can write to.")) from None
-    for stale in out.glob(f"{_TMP}*"):  # a run killed while writing: never listed, never looks complete
+    for stale in out.glob(f"{TMP}*"):  # a run killed while writing: never listed, never looks complete
         stale.unlink(missing_ok=True)
-    existing = _read_manifest(out)
+    existing = read_manifest(out)
     if existing is None:
         others = sorted(p.name for p in out.iterdir())
         if others:
             raise SpecError(fix(f"{out} is not empty ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}) "
                                 f"and holds no harvest {MANIFEST}.", "harvest into a new or empty folder."))
     elif existing.get("shards"):
+        if existing["format"] != FORMAT:
+            raise SpecError(fix(f"{out} holds a harvest in {existing['format']}; this run writes {FORMAT}, which "
+                                "adds shard digests, so it cannot resume it.",
+                                "harvest into a new folder (load_harvest still reads this one)."))
         differ = [k for k in IDENTITY if existing.get(k) != identity[k]]
         if differ:
             lines = "; ".join(f"{k}: folder has {_short(existing.get(k))}, this run {_short(identity[k])}"
@@ -294,8 +292,8 @@ def _open(out: Path, identity: dict) -> dict:
                                 "rerun with the folder's settings to resume it, or harvest into a new folder."))
         return existing
     manifest = {**identity, "library_version": _version(), "n_prompts": 0, "n_tokens": 0, "complete": False,
-                "shards": []}
-    _write_json(out / MANIFEST, manifest)
+                "shapes": {}, "shards": []}
+    write_json(out / MANIFEST, manifest)
     return manifest
 
 
@@ -307,112 +305,3 @@ def _version() -> str:
     from interp_engine import __version__
 
     return __version__
-
-
-def _write_shard(out: Path, manifest: dict, shard: list, *, complete: bool) -> None:
-    """Write one shard atomically (temp name, fsync, rename), then the manifest that lists it."""
-    if shard:
-        from safetensors.torch import save_file
-
-        ids = [p for chunk_ids, _ in shard for p in chunk_ids]
-        lengths = torch.tensor([len(p) for p in ids], dtype=torch.int64)
-        tensors = {"tokens": torch.tensor([t for p in ids for t in p], dtype=torch.int64),
-                   "offsets": torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])}
-        for key in manifest["points"]:
-            tensors[key] = torch.cat([acts[key] for _, acts in shard]).contiguous()
-            for _, acts in shard:  # the parts are copied: free them before the file's bytes are made
-                acts.pop(key)
-        name = f"shard-{len(manifest['shards']):05d}.safetensors"
-        temp = out / f"{_TMP}{name}"
-        save_file(tensors, str(temp), metadata={"format": FORMAT})
-        _fsync(temp)
-        os.replace(temp, out / name)
-        _fsync(out)
-        manifest["shards"].append({"file": name, "first_prompt": manifest["n_prompts"], "prompts": len(ids),
-                                   "tokens": int(lengths.sum()), "token_digest": _digest(ids).hexdigest()})
-        manifest["n_prompts"] += len(ids)
-        manifest["n_tokens"] += int(lengths.sum())
-    manifest["complete"] = complete
-    _write_json(out / MANIFEST, manifest)
-
-
-def _write_json(path: Path, value: dict) -> None:
-    temp = path.with_name(f"{_TMP}{path.name}")
-    temp.write_text(json.dumps(value, indent=1))
-    _fsync(temp)
-    os.replace(temp, path)
-    _fsync(path.parent)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-# ---------------------------------------------------------------------------------------------- reading
-class Harvest(torch.utils.data.Dataset):
-    """A harvest read lazily from its shards (memory-mapped; nothing is loaded until asked).
-
-    As a Dataset it is one item per token: `harvest[i]` is `(token_id, {point: activation})`, so a plain
-    `DataLoader(harvest, batch_size=4096, shuffle=True)` yields `(ids [B], {point: [B, ...]})` for SAE or
-    probe training. `prompt(i)` gives one prompt's `(ids [n], {point: [n, ...]})`; `shard(k)` one whole shard.
-    """
-
-    def __init__(self, folder: Path, manifest: dict):
-        self.folder, self.manifest = folder, manifest
-        self.points: tuple[str, ...] = tuple(manifest["points"])
-        self._token_ends = list(itertools.accumulate(s["tokens"] for s in manifest["shards"]))
-        self._prompt_ends = list(itertools.accumulate(s["prompts"] for s in manifest["shards"]))
-        self._files: dict[int, Any] = {}
-        self._pid = os.getpid()
-
-    n_tokens = property(lambda self: self._token_ends[-1] if self._token_ends else 0)
-    n_prompts = property(lambda self: self._prompt_ends[-1] if self._prompt_ends else 0)
-    n_shards = property(lambda self: len(self.manifest["shards"]))
-
-    def __len__(self) -> int:
-        return self.n_tokens
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        k, j = self._locate(self._token_ends, i, "token")
-        f = self._open(k)
-        return f.get_slice("tokens")[j], {p: f.get_slice(p)[j] for p in self.points}
-
-    def prompt(self, i: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        k, j = self._locate(self._prompt_ends, i, "prompt")
-        f = self._open(k)
-        start, stop = f.get_slice("offsets")[j:j + 2].tolist()
-        return f.get_slice("tokens")[start:stop], {p: f.get_slice(p)[start:stop] for p in self.points}
-
-    def shard(self, k: int) -> dict[str, torch.Tensor]:
-        """Shard `k` whole: "tokens", "offsets" and one tensor per point (the fast path for a full pass)."""
-        from safetensors.torch import load_file
-
-        return load_file(self.folder / self.manifest["shards"][k]["file"])
-
-    def _locate(self, ends: list[int], i: int, what: str) -> tuple[int, int]:
-        total = ends[-1] if ends else 0
-        if isinstance(i, bool) or not isinstance(i, int) or not -total <= i < total:
-            raise IndexError(f"{what} {i!r} is out of range: this harvest holds {total} {what}s")
-        i %= total
-        k = bisect.bisect_right(ends, i)
-        return k, i - (ends[k - 1] if k else 0)
-
-    def _open(self, k: int):
-        from safetensors import safe_open
-
-        if self._pid != os.getpid():  # a DataLoader worker: open its own maps
-            self._files, self._pid = {}, os.getpid()
-        if k not in self._files:
-            self._files[k] = safe_open(str(self.folder / self.manifest["shards"][k]["file"]), framework="pt")
-        return self._files[k]
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_files": {}}
-
-    def __repr__(self) -> str:
-        return (f"Harvest({str(self.folder)!r}: {self.n_prompts} prompts, {self.n_tokens} tokens, "
-                f"{self.n_shards} shards, points {list(self.points)})")
