@@ -123,6 +123,8 @@ def test_a_spec_file_cannot_name_code(tmp_path, fields):
     assert "Fix:" in str(info.value)
     with pytest.raises(InterpEngineError):  # the worker reads tables through the same gate
         WorkerCall.from_table({"spec": spec_dict(**fields), "reads": []})
+    with pytest.raises(InterpEngineError):  # ... also on its fast path, for tables the driver validated
+        WorkerCall.from_table({"spec": spec_dict(**fields), "fingerprint": "0" * 24, "reads": []})
 
 
 def test_tensor_bytes_are_raw_numbers_never_unpickled(tmp_path):

@@ -62,3 +62,22 @@ def test_the_wire_protocol_is_written_only_in_wire_py():
                 if node.value in protocol or any(p in node.value for p in ("|prompt", "|pos", "|value", "lens:")):
                     found.append(f"{path.name}:{node.lineno} {node.value!r}")
     assert found == []
+
+
+def test_every_site_names_a_module_of_every_vllm_layout():
+    """Adding a family is its arch file with a `VllmLayout`: every site of the shared table must find its
+    module there, and every point the vLLM backends serve must have a site."""
+    from interp_engine.arch import VllmLayout, _registry
+    from interp_engine.backends.vllm.sites import SITES
+    from interp_engine.backends.vllm.shards import SHARDING
+
+    layouts = {arch.family: arch.vllm for arch in _registry().values() if arch.vllm is not None}
+    assert {"llama", "gemma2"} <= set(layouts)
+    for site in SITES:
+        assert site.module == "" or site.module in VllmLayout.__dataclass_fields__, site
+        for layout in layouts.values():
+            assert site.module == "" or isinstance(getattr(layout, site.module), str)
+    points = {p for site in SITES for chain in site.points for p in chain.split(">")}
+    assert points == {"embed", "resid_pre", "q", "k", "v", "z", "attn_out", "resid_mid", "mlp_act", "mlp_out",
+                      "resid_post", "final"}
+    assert set(SHARDING) <= points
