@@ -119,7 +119,8 @@ class StaticTaps:
             editing = [a for a in self.state.active if address in a.call.ops]
             if not editing:
                 continue
-            full_mul = torch.ones((n, *self.shards.shape(address.point, self.d_model)), dtype=mul.dtype, device=mul.device)
+            shape = self.shards.shape(address.point, self.d_model)
+            full_mul = torch.ones((n, *shape), dtype=mul.dtype, device=mul.device)
             full_add = torch.zeros_like(full_mul)
             for active in editing:
                 like = full_mul.new_zeros((1, len(active.rows), *full_mul.shape[1:]))
