@@ -59,7 +59,10 @@ class TensorData:
                 "data": base64.b64encode(raw).decode("ascii")}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any], *, what: str) -> "TensorData":
+    def from_dict(cls, d: Mapping[str, Any], *, what: str, digest: str | None = None) -> "TensorData":
+        """Rebuild a tensor from `to_dict` output, checking its dtype name, shape and size. With `digest` (a
+        table the driver validated already: see `Spec.from_validated_dict`) the value checks and the content
+        hash are skipped and `digest` is the tensor's identity."""
         remedy = "pass the {dtype, shape, data} dict that Spec.to_dict() wrote, unchanged."
         if not isinstance(d, Mapping) or not {"dtype", "shape", "data"} <= set(d):
             raise SpecError(fix(f"{what} is not a tensor dict (dtype, shape, data).", remedy))
@@ -82,6 +85,8 @@ class TensorData:
             raise SpecError(fix(f"{what} is malformed: {e}.", remedy)) from None
         t = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape) if raw else \
             torch.empty(shape, dtype=dtype)
+        if digest is not None:
+            return cls(t, digest)  # `raw` is this tensor's own buffer: no copy needed
         return cls.of(t.clone(), what=what)
 
 
@@ -323,6 +328,9 @@ class Spec:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict (tensors as base64 bytes with dtype and shape)."""
+        return self._encode(TensorData.to_dict)
+
+    def _encode(self, tensor: Callable[[TensorData], Any]) -> dict[str, Any]:
         out = []
         for op in self.ops:
             if isinstance(op, Custom):
@@ -334,7 +342,7 @@ class Spec:
                 if isinstance(value, Address):
                     value = str(value)
                 elif isinstance(value, TensorData):
-                    value = value.to_dict()
+                    value = tensor(value)
                 elif isinstance(value, Positions):
                     value = value.to_dict()
                 elif isinstance(value, tuple):
@@ -346,6 +354,18 @@ class Spec:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Spec":
         """Rebuild a spec from `to_dict` output. Only the five op names are accepted; nothing is executed."""
+        return cls._decode(d, None)
+
+    @classmethod
+    def from_validated_dict(cls, d: Mapping[str, Any], *, fingerprint: str) -> "Spec":
+        """`from_dict` for a dict that a `Spec` in the sending process wrote (a vLLM worker's table): the same
+        gate (op names, fields, dtype names, shapes and sizes), without re-checking tensor values or hashing
+        their bytes again. Each tensor's identity is `fingerprint` (the sender's `Spec.fingerprint()`) and its
+        place in the spec."""
+        return cls._decode(d, fingerprint)
+
+    @classmethod
+    def _decode(cls, d: Mapping[str, Any], fingerprint: str | None) -> "Spec":
         if not isinstance(d, Mapping) or d.get("interp_engine_spec") != 1 or not isinstance(d.get("ops"), list):
             raise SpecError(fix("this is not a spec dict (missing 'interp_engine_spec': 1 and 'ops').",
                                 "pass what Spec.to_dict() returned, e.g. Spec.from_dict(json.load(f))."))
@@ -364,7 +384,8 @@ class Spec:
                 kwargs: dict[str, Any] = {}
                 for name, value in raw.items():
                     if name in ("vector", "value", "source"):
-                        value = TensorData.from_dict(value, what=f"ops[{i}].{name}")
+                        value = TensorData.from_dict(value, what=f"ops[{i}].{name}", digest=None if fingerprint
+                                                     is None else f"{fingerprint}:{i}.{name}")
                     elif name == "positions":
                         value = Positions.from_dict(value)
                     if name != "op":
@@ -381,21 +402,13 @@ class Spec:
         """A stable content hash: same ops, same vectors -> same fingerprint, in any process."""
         if self.has_custom:
             raise SpecError(fix("a spec with a Custom op has no stable fingerprint.", "use data ops only."))
-        digest = json.dumps(_strip_data(self.to_dict()), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(digest.encode()).hexdigest()[:24]
+        # Tensors by the content digest they already carry: nothing is encoded or hashed twice.
+        content = self._encode(lambda t: {"dtype": str(t.tensor.dtype).removeprefix("torch."), "shape": list(t.shape),
+                                          "digest": t.digest})
+        return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:24]
 
     def points(self) -> tuple[Address, ...]:
         return tuple(dict.fromkeys(op.point for op in self.ops))
-
-
-def _strip_data(d: Any) -> Any:
-    if isinstance(d, dict):
-        if "data" in d and "shape" in d:
-            return {**d, "data": hashlib.sha256(d["data"].encode()).hexdigest()}
-        return {k: _strip_data(v) for k, v in d.items()}
-    if isinstance(d, list):
-        return [_strip_data(v) for v in d]
-    return d
 
 
 def _op_add(self: Any, other: "Spec | Op") -> Spec:

@@ -64,17 +64,25 @@ def test_the_package_never_evaluates_imports_or_unpickles_by_name():
 
 
 def test_worker_rpcs_are_named_methods_with_data_arguments():
-    """Every call into a vLLM worker names an ie_* method by a literal string: no callable crosses over."""
+    """Every call into a vLLM worker names an ie_* method by a constant of wire.py, where each is a literal
+    string: no callable crosses over."""
+    from interp_engine.backends.vllm import wire
+
+    literal = {node.targets[0].id: node.value.value for node in ast.parse((PACKAGE / "backends/vllm/wire.py")
+               .read_text()).body if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)}
     tree = ast.parse((PACKAGE / "backends/vllm/runtime.py").read_text())
     names = []
     for node, _, name in _calls(tree):
         if name == "_rpc":
             first = node.args[0]
-            assert isinstance(first, ast.Constant) and first.value.startswith("ie_"), ast.dump(first)
-            names.append(first.value)
+            assert isinstance(first, ast.Attribute) and isinstance(first.value, ast.Name) and \
+                first.value.id == "wire", ast.dump(first)
+            value = literal[first.attr]
+            assert isinstance(value, str) and value.startswith("ie_") and getattr(wire, first.attr) == value
+            names.append(value)
         if name == "collective_rpc":
             assert isinstance(node.args[0], ast.Name) and node.args[0].id == "method"
-    assert set(names) == {"ie_install", "ie_collect", "ie_release", "ie_status"}
+    assert set(names) == {"ie_install", "ie_collect", "ie_release", "ie_status"} == set(wire.METHODS)
 
 
 # ------------------------------------------------------------------------------------- specs from disk
@@ -115,6 +123,8 @@ def test_a_spec_file_cannot_name_code(tmp_path, fields):
     assert "Fix:" in str(info.value)
     with pytest.raises(InterpEngineError):  # the worker reads tables through the same gate
         WorkerCall.from_table({"spec": spec_dict(**fields), "reads": []})
+    with pytest.raises(InterpEngineError):  # ... also on its fast path, for tables the driver validated
+        WorkerCall.from_table({"spec": spec_dict(**fields), "fingerprint": "0" * 24, "reads": []})
 
 
 def test_tensor_bytes_are_raw_numbers_never_unpickled(tmp_path):

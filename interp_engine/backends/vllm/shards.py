@@ -1,0 +1,75 @@
+"""Tensor-parallel gather and split of sharded points, written once for both vLLM backends.
+
+A point's rows arrive on each rank as this rank's shard, `[rows, local width]` (or already split by head).
+`present` turns them into the point's gathered form (`[rows, heads, d_head]` for q/k/v/z, `[rows, d_mlp]` for
+mlp_act, unchanged for the replicated residual-stream points); `split` is its inverse, this rank's share of a
+gathered tensor, as `[rows, ...]` (callers reshape it to the shape the model passes on). The `vllm` backend
+gathers in its hooks before editing (edits see full heads); `vllm-static` taps local shards in the compiled
+graph and gathers after the step. Every rank calls these in the same order (the decision to gather depends
+only on the broadcast schedule), so the collectives pair up.
+"""
+
+from torch import Tensor
+
+from interp_engine.backends.vllm import compat
+
+# How each point is sharded under tensor parallelism (points not listed are replicated).
+HEADS, KV_HEADS, NEURONS = "heads", "kv_heads", "neurons"
+SHARDING = {"q": HEADS, "z": HEADS, "k": KV_HEADS, "v": KV_HEADS, "mlp_act": NEURONS}
+
+
+class Shards:
+    def __init__(self, config, attention=None, mlp_local: int | None = None):
+        """`attention`: one layer's Attention module (local head counts); `mlp_local`: mlp_act features on this
+        rank. Either may be omitted where the caller never shards that kind of point."""
+        self.size, self.rank = compat.tp_size(), compat.tp_rank()
+        self.kv_total = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        heads, kv_heads, self.d_head = compat.attention_heads(attention) if attention is not None else (0, 0, 0)
+        self.local = {HEADS: heads, KV_HEADS: kv_heads, NEURONS: mlp_local or 0}
+        self.replicas = max(1, self.size // self.kv_total)  # ranks holding each kv head when size > kv heads
+
+    # ------------------------------------------------------------------------------------------- shapes
+    def local_width(self, point: str, d_model: int) -> int:
+        """Features of one row of `point` on this rank, flat."""
+        kind = SHARDING.get(point)
+        if kind in (HEADS, KV_HEADS):
+            return self.local[kind] * self.d_head
+        return self.local[kind] if kind == NEURONS else d_model
+
+    def shape(self, point: str, d_model: int) -> tuple[int, ...]:
+        """One row of `point`, gathered."""
+        kind = SHARDING.get(point)
+        if kind == HEADS:
+            return (self.local[HEADS] * self.size, self.d_head)
+        if kind == KV_HEADS:
+            return (self.kv_total, self.d_head)
+        return (self.local[NEURONS] * self.size,) if kind == NEURONS else (d_model,)
+
+    # ------------------------------------------------------------------------------------------- collectives
+    def gather(self, x: Tensor, dim: int) -> Tensor:
+        return x if self.size == 1 else compat.all_gather(x, dim)
+
+    def present(self, point: str, x: Tensor) -> Tensor:
+        """This rank's rows of `point` ([rows, ...] in the model's layout) -> the gathered rows."""
+        kind = SHARDING.get(point)
+        if kind == HEADS:
+            return self.gather(x.reshape(len(x), self.local[HEADS], -1), 1)
+        if kind == KV_HEADS:
+            # With more ranks than kv heads each head is on `replicas` ranks: keep one copy of each.
+            full = self.gather(x.reshape(len(x), self.local[KV_HEADS], -1), 1)
+            return full if self.replicas == 1 else full[:, ::self.replicas]
+        if kind == NEURONS:
+            return self.gather(x, -1)
+        return x
+
+    def split(self, point: str, full: Tensor) -> Tensor:
+        """The inverse of `present`: this rank's share of gathered rows (heads kept as an axis)."""
+        kind = SHARDING.get(point)
+        if self.size == 1 or kind is None:
+            return full
+        local = self.local[kind]
+        if kind == HEADS:
+            return full.narrow(1, self.rank * local, local)
+        if kind == KV_HEADS:
+            return full.narrow(1, (self.rank // self.replicas) * local, local)
+        return full.narrow(-1, self.rank * local, local)

@@ -1,0 +1,157 @@
+"""The vLLM site table: where each point is in vLLM's model, and how a hook there reads and replaces it.
+
+Written once for both vLLM backends. A family's module paths are its `VllmLayout` (its arch file); the table
+below says, per site, which layout field names the module, whether the hook runs before (pre) or after (post)
+it, how the point's tensors are unpacked from the hook's arguments and packed back (the codec), and which
+points those tensors are. `register` turns a site and a transform (tensors -> tensors) into a hook:
+
+- `vllm` (worker.py): the transform gathers tensor-parallel shards, runs each call's ops on its rows, records
+  reads, and splits edits back (Python, per request);
+- `vllm-static` (static.py): the transform is the tap bodies, tensor ops only, traced into the compiled graph.
+
+A transform returns its inputs unchanged (the same objects) when it edits nothing; the hook then returns None
+and the model goes on with its own tensors. Codec bodies are tensor-only too (they are traced).
+
+vLLM carries the residual stream as (hidden, residual) and adds the two first thing in the next fused
+add-norm; a site that edits the stream hands it on as (x, 0), which stays exactly x through the add.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from interp_engine.addresses import Address
+
+EMBED, FINAL, LOGITS = Address("embed"), Address("final"), Address("logits")
+
+Tensors = tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Codec:
+    """How one kind of hook finds its tensors and hands edited ones on. `unpack(args, kwargs, out)` and
+    `repack(args, kwargs, out, new)` see the hook's arguments (`out` is None in a pre-hook, `kwargs` empty
+    unless `kwargs` is True); repack returns what the hook returns."""
+
+    name: str
+    unpack: Callable[..., Tensors]
+    repack: Callable[..., object]
+    kwargs: bool = False  # a pre-hook registered with_kwargs
+
+
+def _layer_args(args, kwargs):
+    names = ("positions", "hidden_states", "residual")
+    values = list(args) + [kwargs.get(n) for n in names[len(args):]]
+    return values[0], values[1], values[2]
+
+
+def layer_positions(args, kwargs):
+    """A decoder layer's absolute positions, from its pre-hook's arguments."""
+    return _layer_args(args, kwargs)[0]
+
+
+def _stream_in(args, kwargs, out):
+    _, hidden, residual = _layer_args(args, kwargs)
+    return (hidden if residual is None else hidden + residual,)
+
+
+def _stream_in_repack(args, kwargs, out, new):
+    _, _, residual = _layer_args(args, kwargs)
+    zero = None if residual is None else torch.zeros_like(residual)
+    if len(args) >= 3:
+        return (args[0], new[0], zero, *args[3:]), kwargs
+    if len(args) == 2:
+        return (args[0], new[0]), {**kwargs, "residual": zero}
+    return args, {**kwargs, "hidden_states": new[0], "residual": zero}
+
+
+# The decoder layer's input, forward(positions, hidden, residual): the stream is hidden + residual.
+STREAM_IN = Codec("stream_in", _stream_in, _stream_in_repack, kwargs=True)
+# A fused add-norm's input, norm(x, residual): it adds them first thing.
+FUSED_IN = Codec("fused_in", lambda args, kwargs, out: (args[0] + args[1],),
+                 lambda args, kwargs, out, new: (new[0], torch.zeros_like(args[1]), *args[2:]))
+# The decoder layer's output, (hidden, residual): the stream is their sum.
+STREAM_OUT = Codec("stream_out", lambda args, kwargs, out: (out[0] + out[1],),
+                   lambda args, kwargs, out, new: (new[0], torch.zeros_like(out[1])))
+# A module's first input (o_proj's is z, down_proj's is mlp_act).
+INPUT = Codec("input", lambda args, kwargs, out: (args[0],),
+              lambda args, kwargs, out, new: (new[0], *args[1:]))
+# A module's output.
+OUTPUT = Codec("output", lambda args, kwargs, out: (out,), lambda args, kwargs, out, new: new[0])
+# A module's output, or the first of its outputs (the final norm returns (normed, residual) when fused).
+FIRST_OUTPUT = Codec("first_output",
+                     lambda args, kwargs, out: (out[0] if isinstance(out, tuple) else out,),
+                     lambda args, kwargs, out, new: (new[0], *out[1:]) if isinstance(out, tuple) else new[0])
+# Attention's input, forward(q, k, v, ...) after rotary, each [rows, local heads * d_head].
+QKV = Codec("qkv", lambda args, kwargs, out: tuple(args[:3]), lambda args, kwargs, out, new: (*new, *args[3:]))
+
+
+@dataclass(frozen=True, slots=True)
+class Site:
+    """One hook: on the module named by layout field `module` ("" = the decoder layer itself; relative to the
+    model when `scope` is "model"), before or after it, unpacked by `codec` into one tensor per point in
+    `points`. A point may be a chain read in order on the same tensor ("embed>resid_pre": layer 0's input is
+    the embedding, then resid_pre.0)."""
+
+    module: str
+    hook: Literal["pre", "post"]
+    codec: Codec
+    points: tuple[str, ...]
+    scope: Literal["layer", "model"] = "layer"
+
+    def addresses(self, layer: int | None) -> tuple[tuple[Address, ...], ...]:
+        """Per unpacked tensor, the addresses read and edited on it, in order."""
+        return tuple(tuple(_address(p, layer) for p in chain.split(">") if _address(p, layer) is not None)
+                     for chain in self.points)
+
+
+def _address(point: str, layer: int | None) -> Address | None:
+    if point == "embed":
+        return EMBED if layer == 0 else None
+    if point == "final":
+        return FINAL
+    return Address(point, layer)
+
+
+# The sites, in the order their hooks run within a layer. Module names are `VllmLayout` fields.
+SITES = (
+    Site("", "pre", STREAM_IN, ("embed>resid_pre",)),
+    Site("attention", "pre", QKV, ("q", "k", "v")),
+    Site("o_proj", "pre", INPUT, ("z",)),
+    Site("attn_out", "post", OUTPUT, ("attn_out",)),
+    Site("mid_norm", "pre", FUSED_IN, ("resid_mid",)),
+    Site("mlp_down", "pre", INPUT, ("mlp_act",)),
+    Site("mlp_out", "post", OUTPUT, ("mlp_out",)),
+    Site("", "post", STREAM_OUT, ("resid_post",)),
+    Site("final_norm", "post", FIRST_OUTPUT, ("final",), scope="model"),
+)
+LAYER_SITES = tuple(s for s in SITES if s.scope == "layer")
+MODEL_SITES = tuple(s for s in SITES if s.scope == "model")
+
+
+def module_of(site: Site, layout, root):
+    """The module a site hooks: `root` is a decoder layer (layer sites) or the model (model sites)."""
+    return root if not site.module else root.get_submodule(getattr(layout, site.module))
+
+
+def register(module, site: Site, transform: Callable[[Tensors], Tensors], when: Callable[[], bool] | None = None):
+    """Hook `transform` onto `module` at `site`; its handle. With `when`, the hook does nothing (not even
+    unpack) in a forward where `when()` is false (Python: never for a traced tap)."""
+    codec = site.codec
+
+    def apply(args, kwargs, out):
+        if when is not None and not when():
+            return None
+        xs = codec.unpack(args, kwargs, out)
+        ys = transform(xs)
+        if all(a is b for a, b in zip(xs, ys)):
+            return None
+        return codec.repack(args, kwargs, out, ys)
+
+    if site.hook == "post":
+        return module.register_forward_hook(lambda m, args, out: apply(args, {}, out))
+    if codec.kwargs:
+        return module.register_forward_pre_hook(lambda m, args, kwargs: apply(args, kwargs, None), with_kwargs=True)
+    return module.register_forward_pre_hook(lambda m, args: apply(args, {}, None))
