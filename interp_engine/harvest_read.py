@@ -1,12 +1,12 @@
 """Reading a harvest folder back: checked before it is returned, read lazily, each shard's digest checked at its
-first open (or all at once with verify="eager"). What is checked, and why sha256: interp_engine.harvest_store.
+first open (or all at once with verify="upfront"). What is checked, and why sha256: interp_engine.harvest_store.
 
 Cost, measured on a shared 2-core VM, page cache warm, 102,400 tokens x 3 points in bfloat16 (2 shards):
                                d=1024 (601 MiB)   d=4096 (2401 MiB)
-  load_harvest (verify="lazy")      0.2 ms             0.2 ms       header + offsets per shard
-  first read of shard 0           615 ms            1758 ms       its sha256, once per process
-  later reads                       0.1 ms             0.1 ms
-  load_harvest (verify="eager")   805 ms            2481 ms       every shard's sha256 (a plain read: 720, 2120)
+  load_harvest (verify="lazy")       0.2 ms             0.2 ms       header + offsets per shard
+  first read of shard 0            615 ms            1758 ms       its sha256, once per process
+  later reads                        0.1 ms             0.1 ms
+  load_harvest (verify="upfront")  805 ms            2481 ms       every shard's sha256 (a plain read: 720, 2120)
 The structural checks grow with the shard count, not the data: 1,000 shards of 100 tokens load in 172 ms.
 So "lazy" is the default: loading stays instant at any size, and nothing is read before it is checked. Its
 price is that the first touch of a shard reads all of it (a random-access reader of a few rows pays a full
@@ -25,7 +25,7 @@ import torch
 from interp_engine.errors import SpecError, fix
 from interp_engine.harvest_store import MANIFEST, check_shard, read_manifest, verify_digest, warn_old
 
-VERIFY = ("lazy", "eager")
+VERIFY = ("lazy", "upfront")
 
 
 def load_harvest(out_dir: str | os.PathLike, *, partial: bool = False, verify: str = "lazy") -> "Harvest":
@@ -37,11 +37,12 @@ def load_harvest(out_dir: str | os.PathLike, *, partial: bool = False, verify: s
     header and the offsets per shard (~0.2 ms each). The sha256 of each shard's bytes is checked too:
     `verify="lazy"` (default) the first time the shard is opened in a process, so loading stays cheap and the
     data is checked just before it is first read (~1 s per GiB here, about what reading it costs);
-    `verify="eager"` hashes every shard now (measured costs: the module docstring). Anything that does not verify raises `HarvestError` with the fix.
+    `verify="upfront"` hashes every shard now (measured costs: the module docstring). Anything that does not
+    verify raises `HarvestError` with the fix.
     """
     if verify not in VERIFY:
         raise SpecError(fix(f"verify={verify!r} is not one of {VERIFY}.", 'use verify="lazy" (the default: each '
-                            'shard hashed at first open) or verify="eager" (all hashed now).'))
+                            'shard hashed at first open) or verify="upfront" (all hashed now).'))
     out = Path(out_dir)
     manifest = read_manifest(out)
     if manifest is None:
@@ -56,7 +57,7 @@ def load_harvest(out_dir: str | os.PathLike, *, partial: bool = False, verify: s
         check_shard(out, manifest, k)
     warn_old(out, manifest)
     harvest = Harvest(out, manifest)
-    if verify == "eager":
+    if verify == "upfront":
         harvest.verify()
     return harvest
 

@@ -190,8 +190,8 @@ def test_changed_bytes_are_found_at_first_open_or_at_load_with_verify_eager(fold
             read()
         assert "Fix: rerun the same harvest(...) into this folder" in str(e.value)
     with pytest.raises(HarvestError, match="does not hash"):
-        load_harvest(folder, verify="eager")
-    clean = load_harvest(made, verify="eager")
+        load_harvest(folder, verify="upfront")
+    clean = load_harvest(made, verify="upfront")
     assert clean._verified == set(range(clean.n_shards))
     with pytest.raises(SpecError, match="verify='full' is not one of") as e:
         load_harvest(made, verify="full")
@@ -206,7 +206,7 @@ def test_a_format_1_folder_still_loads_with_a_warning_and_is_not_resumed(folder,
             del s["bytes"], s["sha256"]
     _edit(folder, old)
     with pytest.warns(InterpEngineWarning, match="records no shard digests"):
-        h = load_harvest(folder, verify="eager")
+        h = load_harvest(folder, verify="upfront")
     assert torch.equal(_stored(h, "mlp_act.2"), _stored(load_harvest(made), "mlp_act.2"))
     os.truncate(folder / "shard-00000.safetensors", 1000)  # the structural checks still apply
     with pytest.raises(HarvestError, match="not a safetensors file|tensors do not tile"):
@@ -241,7 +241,7 @@ def test_resume_redoes_a_finished_shard_that_does_not_verify(folder, made, eager
     assert len([x for x in w if issubclass(x.category, InterpEngineWarning)]) == 1
     assert h.n_prompts == 60 and h._verified == set(range(h.n_shards))
     _same_folder(made, folder)  # every file and the manifest equal a clean run's
-    load_harvest(folder, verify="eager")
+    load_harvest(folder, verify="upfront")
 
 
 def test_an_unfinished_folder_with_a_damaged_shard_resumes_from_it(folder, made, eager):
@@ -306,7 +306,7 @@ def test_random_manifest_and_header_damage_gives_only_library_errors(folder):
             m["shards"][1].update(bytes=len(shard_bytes), sha256=file_digest(path))
         (folder / "manifest.json").write_text(json.dumps(m))
         try:
-            h = load_harvest(folder, partial=True, verify="eager")
+            h = load_harvest(folder, partial=True, verify="upfront")
             [h.shard(k) for k in range(h.n_shards)], h.prompt(h.n_prompts - 1), h[h.n_tokens - 1]
             outcomes["read"] += 1
         except HarvestError as e:
