@@ -4,7 +4,7 @@ from interp_engine import spec
 from interp_engine.addresses import Address
 from interp_engine.cache import Cache
 from interp_engine.errors import (BackendError, InputTypeError, InterpEngineError, LoadError, PointError,
-                                  SpecError)
+                                  ResultTypeError, SpecError)
 from interp_engine.func import Generation, Gradients, capture, generate, logit_lens, run_with_grad, steer
 from interp_engine.handle import ModelHandle
 from interp_engine.harvest import Harvest, harvest, load_harvest
@@ -18,6 +18,6 @@ __all__ = [
     "Address", "Cache", "ModelHandle", "Spec", "spec", "load_model", "select_backend", "vllm_installed",
     "BackendSelection", "capture", "steer", "generate", "logit_lens", "run_with_grad", "Generation", "Gradients",
     "harvest", "load_harvest", "Harvest",
-    "InterpEngineError", "PointError", "SpecError", "BackendError", "LoadError", "InputTypeError",
+    "InterpEngineError", "PointError", "SpecError", "BackendError", "LoadError", "InputTypeError", "ResultTypeError",
     "InterpEngineWarning", "BackendFallbackWarning", "__version__",
 ]
