@@ -4,7 +4,7 @@ from interp_engine import spec
 from interp_engine.addresses import Address
 from interp_engine.cache import Cache
 from interp_engine.errors import (BackendError, HarvestError, InputTypeError, InterpEngineError, LoadError,
-                                  PointError, SpecError)
+                                  PointError, ResultTypeError, SpecError)
 from interp_engine.func import Generation, Gradients, capture, generate, logit_lens, run_with_grad, steer
 from interp_engine.handle import ModelHandle
 from interp_engine.harvest import Harvest, harvest, load_harvest
@@ -19,5 +19,6 @@ __all__ = [
     "BackendSelection", "capture", "steer", "generate", "logit_lens", "run_with_grad", "Generation", "Gradients",
     "harvest", "load_harvest", "Harvest",
     "InterpEngineError", "PointError", "SpecError", "BackendError", "LoadError", "HarvestError", "InputTypeError",
+    "ResultTypeError",
     "InterpEngineWarning", "BackendFallbackWarning", "__version__",
 ]

@@ -1,16 +1,14 @@
 """Addresses name a point in a model: `Address("resid_post", 10)` is `resid_post.10`.
 
-No torch import here: addresses are plain data that travel to workers and into JSON.
+No torch import here: addresses are plain data that travel to workers and into JSON. The axis names are axes.py's.
 """
 
 import difflib
 import re
 from dataclasses import dataclass
-from typing import Literal
 
 from interp_engine.errors import PointError, fix
-
-Axis = Literal["batch", "pos", "d_model", "n_heads", "n_kv_heads", "d_head", "d_mlp", "d_vocab", "q_pos", "k_pos"]
+from interp_engine.axes import Axis
 
 
 @dataclass(frozen=True, slots=True)

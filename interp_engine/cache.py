@@ -12,7 +12,9 @@ from interp_engine.errors import PointError, fix
 
 @dataclass(frozen=True)
 class Cache(Mapping):
-    """`cache[Address("resid_post", 3)]` or `cache["resid_post.3"]` -> a tensor in the point's axes.
+    """`cache[Address("resid_post", 3)]` or `cache["resid_post.3"]` -> a tensor in the point's axes, typed
+    `typing.activation(address.info.axes)` (resid_post: `Resid`, Float[Tensor, "batch pos d_model"]). A pure
+    function's Cache is checked against those types, sizes bound to the model, before it is returned.
 
     Rows are prompts; positions past a prompt's length (`lengths[i]`) are padding, filled with zeros.
     """

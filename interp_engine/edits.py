@@ -8,6 +8,7 @@ Tensors arrive in the point's presented layout: `batch pos ...` or, for attentio
 from dataclasses import dataclass
 
 import torch
+from einops import rearrange
 from torch import Tensor
 
 from interp_engine.addresses import PointInfo
@@ -95,8 +96,8 @@ def _value(t: Tensor, x: Tensor, info: PointInfo, step: Step) -> tuple[Tensor, T
     cols = ap.clamp(0, width - 1)
     if pa == 1:
         return t[rows, cols], in_range
-    g = t[rows, :, cols]  # [b, q, h, k]: advanced indices first
-    return g.permute(0, 2, 1, 3)[..., : x.shape[-1]], in_range
+    g = t[rows, :, cols]  # advanced indexing puts the indexed axes first
+    return rearrange(g, "batch q_pos n_heads k_pos -> batch n_heads q_pos k_pos")[..., : x.shape[-1]], in_range
 
 
 def _head_mask(heads: tuple[int, ...], x: Tensor, info: PointInfo) -> Tensor:

@@ -32,6 +32,11 @@ class InputTypeError(InterpEngineError, TypeError):
     """An argument has the wrong type."""
 
 
+class ResultTypeError(InterpEngineError, TypeError):
+    """A result does not have the type or axes its function promises (see typing.py): a bug in interp_engine or
+    a backend, not in the call. Raised by the result check in func/shapes.py."""
+
+
 def fix(what: str, remedy: str) -> str:
     """Format a message in the house shape: what happened, then an indented `Fix:` line."""
     return f"{what}\n  Fix: {remedy}"

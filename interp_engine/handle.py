@@ -11,7 +11,7 @@ from torch import Tensor
 from interp_engine.addresses import POINTS, Address
 from interp_engine.arch import Arch, Dims
 from interp_engine.backends.base import Capabilities, Runtime
-from interp_engine.errors import SpecError, fix
+from interp_engine.errors import InputTypeError, SpecError, fix
 from interp_engine.taps import Taps
 
 
@@ -82,8 +82,13 @@ class ModelHandle:
 
     def to_tokens(self, text: str | Sequence[str], *, prepend_bos: bool = True) -> Int[Tensor, "batch pos"]:
         """Token ids, [batch, pos]. A ragged list is refused: pass the list itself to capture/steer instead."""
-        texts = [text] if isinstance(text, str) else list(text)
-        if not texts or not all(isinstance(t, str) for t in texts):
+        texts = [text] if isinstance(text, str) else list(text) if hasattr(text, "__iter__") else None
+        if texts is None or not all(isinstance(t, str) for t in texts):
+            shown = repr(text) if len(repr(text)) <= 60 else f"a {type(text).__name__}"
+            raise InputTypeError(fix(f"to_tokens takes a string or a list of strings, got {shown}.",
+                                     'e.g. model.to_tokens("Hi") or model.to_tokens(["Hi", "Yo"]); token ids go '
+                                     "straight to capture/steer/generate."))
+        if not texts:
             raise SpecError(fix("to_tokens takes a string or a non-empty list of strings.", 'e.g. model.to_tokens("Hi")'))
         rows = [self.tokenize(t, prepend_bos=prepend_bos) for t in texts]
         if len({len(r) for r in rows}) > 1:

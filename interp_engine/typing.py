@@ -1,10 +1,21 @@
-"""The one axis vocabulary, as jaxtyping aliases.
+"""The one axis vocabulary (its names: axes.py), as jaxtyping aliases.
 
-Axes: batch pos d_model n_heads n_kv_heads d_head d_mlp d_vocab q_pos k_pos.
+Every tensor a public function returns is annotated with these names, and `func/shapes.py` checks each result
+against them with the model's sizes bound (so `d_model` means this model's d_model, not "any size").
+
+Axes: layer batch pos d_model n_heads n_kv_heads d_head d_mlp d_vocab q_pos k_pos.
+`layer` counts the rows of a stacked result (the logit lens' points); `q_pos`/`k_pos` are the query and key
+positions of an attention pattern. Deliberately no `from __future__ import annotations`: jaxtyping and beartype
+read these hints at run time.
 """
 
-from jaxtyping import Float, Int
+import functools
+
+import torch
+from jaxtyping import Float, Int, Shaped
 from torch import Tensor
+
+from interp_engine.axes import AXES, MODEL_AXES, Axis
 
 Tokens = Int[Tensor, "batch pos"]
 Resid = Float[Tensor, "batch pos d_model"]
@@ -14,6 +25,32 @@ Pattern = Float[Tensor, "batch n_heads q_pos k_pos"]
 MLPAct = Float[Tensor, "batch pos d_mlp"]
 Logits = Float[Tensor, "batch pos d_vocab"]
 LogProbs = Float[Tensor, "layer batch pos d_vocab"]
+Scalar = Float[Tensor, ""]
 Vector = Float[Tensor, "..."]
 
-__all__ = ["Tokens", "Resid", "Heads", "KVHeads", "Pattern", "MLPAct", "Logits", "LogProbs", "Vector"]
+_BY_AXES = {tuple(hint.dim_str.split()): hint for hint in (Resid, Heads, KVHeads, Pattern, MLPAct, Logits)}
+_MODEL = Shaped[Tensor, " ".join(MODEL_AXES)]
+
+
+@functools.cache
+def activation(axes: tuple[str, ...]) -> type:
+    """The alias for a point's axes (`addresses.POINTS[...].axes`): `("batch", "pos", "d_model")` -> Resid."""
+    unknown = [a for a in axes if a not in AXES]
+    if unknown:
+        raise ValueError(f"internal: axes {unknown} are not in the vocabulary {AXES}")
+    return _BY_AXES.get(tuple(axes)) or Float[Tensor, " ".join(axes)]
+
+
+def bind_model(dims) -> None:
+    """Bind MODEL_AXES to `dims` (an arch.Dims) in the current jaxtyping memo (inside `jaxtyped("context")` or
+    a jaxtyped function), so that later checks in that memo hold each result to this model's sizes.
+
+    A meta tensor has a shape and no storage, so this costs one small allocation-free tensor per check.
+    """
+    probe = torch.empty(tuple(getattr(dims, a) for a in MODEL_AXES), device="meta")
+    if not isinstance(probe, _MODEL):  # only fails if the memo already disagrees with the model
+        raise ValueError(f"internal: the shape memo already holds sizes other than this model's {dims}")
+
+
+__all__ = ["Axis", "AXES", "MODEL_AXES", "Tokens", "Resid", "Heads", "KVHeads", "Pattern", "MLPAct", "Logits",
+           "LogProbs", "Scalar", "Vector", "activation", "bind_model"]

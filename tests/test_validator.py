@@ -43,7 +43,7 @@ def test_quick_validator_passes_on_two_architectures(quick):
             vllm = [r for r in rows if r["model"] == model and r["backend"] == backend]
             if vllm and vllm[0]["status"] == "not_installed":
                 continue
-            # every point of DESIGN section 3, at every layer, compared and within tolerance
+            # every point of docs/design.md section 2, at every layer, compared and within tolerance
             captured = {(r["point"], r["layer"]) for r in vllm if r["kind"] == "capture" and r["status"] == "pass"}
             assert {p for p, _ in captured} == set(POINTS), (model, backend)
             assert len(captured) == sum(3 if info.layered else 1 for info in POINTS.values())

@@ -3,17 +3,17 @@ from dataclasses import dataclass
 
 import torch
 from beartype import beartype
-from jaxtyping import Int, jaxtyped
-from torch import Tensor
+from jaxtyping import jaxtyped
 
 from interp_engine.addresses import Address
 from interp_engine.cache import Cache
 from interp_engine.errors import SpecError, fix
 from interp_engine.func._prepare import checked_arguments, prepare
-from interp_engine.func.shapes import check_shapes
+from interp_engine.func.shapes import checked_result
 from interp_engine.handle import ModelHandle
 from interp_engine.inputs import PromptsLike
 from interp_engine.spec import Op, Spec
+from interp_engine.typing import Tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,13 +26,14 @@ class Generation:
 
     tokens: tuple[tuple[int, ...], ...]
     text: tuple[str, ...]
-    sequences: Int[Tensor, "batch pos"]
+    sequences: Tokens
     lengths: tuple[int, ...]
     cache: Cache | None = None
 
 
 @checked_arguments
 @jaxtyped(typechecker=beartype)
+@checked_result
 def generate(model: ModelHandle, prompts: PromptsLike, spec: Spec | Op | Sequence[Op] | None = None, *,
              max_new_tokens: int = 32, capture: Sequence[str | Address] | None = None, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
@@ -64,6 +65,5 @@ def generate(model: ModelHandle, prompts: PromptsLike, spec: Spec | Op | Sequenc
     cache = None
     if capture is not None:
         cache = Cache(records, tuple(len(n) for n in new), model.n_layers, model.name)
-        check_shapes(cache, model)
     return Generation(tokens=tuple(tuple(n) for n in new), text=tuple(model.runtime.decode(n) for n in new),
                       sequences=sequences, lengths=tuple(len(f) for f in full), cache=cache)

@@ -2,16 +2,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from beartype import beartype
-from jaxtyping import Float, jaxtyped
+from jaxtyping import jaxtyped
 from torch import Tensor
 
 from interp_engine.addresses import Address
 from interp_engine.cache import Cache
 from interp_engine.errors import BackendError, SpecError, fix
 from interp_engine.func._prepare import checked_arguments, prepare, require_points
+from interp_engine.func.shapes import checked_result
 from interp_engine.handle import ModelHandle
 from interp_engine.inputs import PromptsLike
 from interp_engine.spec import Op, Spec
+from interp_engine.typing import Scalar
 from interp_engine.validate import feature_shape
 
 
@@ -19,12 +21,13 @@ from interp_engine.validate import feature_shape
 class Gradients:
     """`value` is loss(logits); `grads[address]` is d value / d activation, shaped like the activation."""
 
-    value: Float[Tensor, ""]
+    value: Scalar
     grads: Cache
 
 
 @checked_arguments
 @jaxtyped(typechecker=beartype)
+@checked_result
 def run_with_grad(model: ModelHandle, tokens: PromptsLike, spec: Spec | Op | Sequence[Op] | None = None, *,
                   loss: Callable[[Tensor], Tensor], wrt: Sequence[str | Address] | str | Address) -> Gradients:
     """Value and gradients of `loss(logits)` with respect to the activations at `wrt` (after the spec's edits).

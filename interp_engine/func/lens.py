@@ -2,22 +2,24 @@ from collections.abc import Sequence
 
 import torch
 from beartype import beartype
-from jaxtyping import Float, jaxtyped
-from torch import Tensor
+from jaxtyping import jaxtyped
 
 from interp_engine.addresses import Address
 from interp_engine.errors import SpecError, fix
 from interp_engine.func._prepare import checked_arguments, prepare
+from interp_engine.func.shapes import checked_result
 from interp_engine.handle import ModelHandle
 from interp_engine.inputs import PromptsLike
 from interp_engine.spec import Op, Spec
+from interp_engine.typing import LogProbs
 
 
 @checked_arguments
 @jaxtyped(typechecker=beartype)
+@checked_result
 def logit_lens(model: ModelHandle, tokens: PromptsLike, *, points: Sequence[str | Address] | None = None,
                spec: Spec | Op | Sequence[Op] | None = None, batch_size: int = 32,
-               progress: bool = True) -> Float[Tensor, "layer batch pos d_vocab"]:
+               progress: bool = True) -> LogProbs:
     """Next-token log-probs read off each point through the final norm and unembedding.
 
     `points` default to resid_post at every layer; any point with d_model features works (resid_*, attn_out,

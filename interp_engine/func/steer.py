@@ -1,19 +1,21 @@
 from collections.abc import Sequence
 
 from beartype import beartype
-from jaxtyping import Float, jaxtyped
-from torch import Tensor
+from jaxtyping import jaxtyped
 
 from interp_engine.func._prepare import checked_arguments, prepare
+from interp_engine.func.shapes import checked_result
 from interp_engine.handle import ModelHandle
 from interp_engine.inputs import PromptsLike
 from interp_engine.spec import Op, Spec
+from interp_engine.typing import Logits
 
 
 @checked_arguments
 @jaxtyped(typechecker=beartype)
+@checked_result
 def steer(model: ModelHandle, tokens: PromptsLike, spec: Spec | Op | Sequence[Op], *, batch_size: int = 32,
-          progress: bool = True) -> Float[Tensor, "batch pos d_vocab"]:
+          progress: bool = True) -> Logits:
     """Logits of the forward pass with the spec's edits. Ragged prompts: padded positions are zeros."""
     prompts, plan = prepare(model, tokens, spec, (), purpose="forward", verb="steer", batch_size=batch_size)
     logits, _ = model.runtime.forward(prompts, plan, batch_size=batch_size, want_logits=True, progress=progress)

@@ -44,7 +44,7 @@ def _vector(address: Address, shape: tuple[int, ...], salt: int) -> torch.Tensor
 
 
 def steer_cases(dims: Dims) -> list[SteerCase]:
-    """Add, Set (last position) and zero-Ablate at every point of DESIGN section 3, at the middle layer.
+    """Add, Set (last position) and zero-Ablate at every point of docs/design.md section 2, at the middle layer.
 
     Attention patterns and logits are writable on eager only: one zero-Ablate each stands for them, plus a
     mean-Ablate (eager-only too), so the report lists what the vLLM backends do not serve.

@@ -15,7 +15,7 @@ STATUSES = {
     "error": "the backend (or the reference) crashed",
     "known": "a listed library discrepancy (validator/comparison/known.py), shown but not counted",
     "not_served": "refused by design (eager-only ops and points on vLLM backends)",
-    "not_declared": "vllm-static refused a point outside its declared set (the spec's rule)",
+    "not_declared": "vllm-static refused a point outside its declared set (README, Backends in this build)",
     "not_installed": "vLLM is not installed here, so its backends were not run",
     "not_built": "this build of interp_engine lacks the backend",
     "eager_only": "the family has no vLLM layout; the eager backend serves it",

@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="N for the num_gpus=N runs (default: NUM_GPUS, else visible CUDA cards, else 2 CPU ranks)")
     parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated, from vllm,vllm-static")
     parser.add_argument("--static-points", default="auto", choices=["auto", "all"],
-                        help='vllm-static taps: "auto" (resid_post at every layer, the spec\'s default) or all points')
+                        help='vllm-static taps: "auto" (resid_post at every layer, the default) or all points')
     parser.add_argument("--out", default=str(ROOT / "validator" / "results"))
     parser.add_argument("--models-dir", default=str(Path.home() / ".cache" / "interp_engine" / "validator"))
     parser.add_argument("--plant", default=None, type=Plant.parse,

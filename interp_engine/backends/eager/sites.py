@@ -8,6 +8,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
+from einops import rearrange
 from torch import Tensor
 
 from interp_engine.addresses import Address
@@ -16,6 +17,9 @@ from interp_engine.backends.eager.attention import SITE_KW, eager_pattern
 from interp_engine.edits import Step, apply
 
 EMBED, FINAL = Address("embed"), Address("final")
+# HF attention holds q, k, v head-major; our points present them position-major (typing.Heads / KVHeads).
+_TO_POINT = "batch heads pos d_head -> batch pos heads d_head"
+_TO_HF = "batch pos heads d_head -> batch heads pos d_head"
 
 
 class Run:
@@ -55,11 +59,11 @@ class AttentionSite:
         address = Address(name, self.layer)
         if not self.run.wants(address):
             return t
-        current = t[:, :, -q_len:].transpose(1, 2)
+        current = rearrange(t[:, :, -q_len:], _TO_POINT)
         edited = self.run.touch(address, current)
         if edited is current:
             return t
-        edited = edited.transpose(1, 2)
+        edited = rearrange(edited, _TO_HF)
         if self.run.step.kv_in_place:  # t is the KV cache's own tensor: later steps must see the edit
             t[:, :, -q_len:] = edited
             return t
@@ -69,7 +73,7 @@ class AttentionSite:
         run, layer = self.run, self.layer
         q_address = Address("q", layer)
         if run.wants(q_address):
-            query = run.touch(q_address, query.transpose(1, 2)).transpose(1, 2)
+            query = rearrange(run.touch(q_address, rearrange(query, _TO_POINT)), _TO_HF)
         key = self._kv("k", key, query.shape[2])
         value = self._kv("v", value, query.shape[2])
         scores, probs = Address("attn_scores", layer), Address("attn_probs", layer)

@@ -1,0 +1,24 @@
+"""What the README says about this build matches the code, and its Python snippets import what they use."""
+
+import re
+from pathlib import Path
+
+from interp_engine.arch import vllm_model_types
+
+README = (Path(__file__).parent.parent / "README.md").read_text()
+# The names the README gives each model type with a vLLM layout (a new family adds its name here and there).
+SHOWN = {"gemma2": "Gemma-2", "llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+
+
+def test_the_auto_section_names_every_family_with_a_vllm_layout():
+    start = README.index('**`backend="auto"`**')
+    section = README[start: README.index("\n\n", start)]
+    assert set(vllm_model_types()) <= set(SHOWN), f"name the new family in SHOWN and the README: {vllm_model_types()}"
+    for model_type in vllm_model_types():
+        assert f"{SHOWN[model_type]}," in section or f"{SHOWN[model_type]}:" in section, (model_type, section)
+
+
+def test_python_snippets_import_torch_where_they_use_it():
+    for block in re.findall(r"```python\n(.*?)```", README, flags=re.S):
+        if "torch." in block and not block.lstrip().startswith(">>>"):
+            assert re.search(r"^import (\w+, )*torch\b", block, flags=re.M), block
