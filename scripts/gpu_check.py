@@ -5,7 +5,8 @@ family, in float32 and bfloat16 with attn_implementation="eager": every point ca
 `output_hidden_states` / `output_attentions`, a zero-vector steer against the baseline (bit-exact), a steer
 against a hand-written HF forward hook, `run_with_grad` against `torch.autograd.grad` on a hand-written
 equivalent (float32), greedy `generate` against HF's `generate`; then bnb-4bit against HF loaded with the same
-BitsAndBytesConfig, and the num_gpus refusal when the count exceeds the visible cards. Prints one line per
+BitsAndBytesConfig, the device_map path, the num_gpus refusal when the count exceeds the visible cards, and the
+time of capture and steer against a plain HF forward on two bf16 models. Prints one line per
 check and writes every measured error to JSON; exits 1 if any check fails.
 """
 
@@ -70,7 +71,8 @@ def check_family(family: str, path: Path, dtype: torch.dtype) -> None:
 
     baseline = steer(model, tokens, [])
     zero = steer(model, tokens, S.Add("resid_post.1", torch.zeros(model.d_model, dtype=dtype)))
-    record(f"{tag} zero-vector steer == baseline (bit-exact)", (zero.float() - baseline.float()).abs().max().item(), 0.0)
+    record(f"{tag} zero-vector steer == baseline (bit-exact)",
+           (zero.float() - baseline.float()).abs().max().item(), 0.0)
 
     vector = torch.randn(model.d_model, generator=torch.Generator().manual_seed(0)).to(dtype)
     steered = steer(model, tokens, S.Add("resid_post.1", vector, scale=2.0))
@@ -143,46 +145,83 @@ def check_bnb(path: Path) -> None:
     record(f"llama/bnb-4bit down_proj is a 4-bit layer ({linear})", 0.0 if "4bit" in linear else 1.0, 0.0)
 
 
+SPEED_MODELS = {  # name: (config overrides, batch, length)
+    "8 layers d_model 1024, 8x256": (dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                                          num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+                                          max_position_embeddings=2048), 8, 256),
+    "4 layers d_model 4096, 8x512": (dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=4,
+                                          num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                                          max_position_embeddings=2048), 8, 512),
+}
+
+
 def check_speed(root: Path) -> None:
-    """capture and steer against a plain HF forward on one bf16 model, interleaved, medians of 15 (not asserted:
-    reported as the ratio and its spread)."""
+    """capture, steer and a steer with no edit against a plain HF forward, bf16, interleaved, 15 timed rounds
+    after 3 warm-ups; reported as the median per-round ratio and its 10th-90th percentile spread (not asserted).
+    The no-edit steer is the fixed per-call cost (validation, padding, the result check), the others add hooks."""
     import statistics
 
     from transformers import AutoModelForCausalLM
 
-    path = build_tiny_model("llama", root / "speed", overrides=dict(
-        hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
-        head_dim=64, max_position_embeddings=2048))
-    model = load_model(str(path), backend="eager", device=DEVICE, dtype="bfloat16")
-    ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).to(DEVICE).eval()
-    tokens = torch.randint(3, 500, (8, 256), generator=torch.Generator().manual_seed(0))
-    points = [f"resid_post.{i}" for i in range(model.n_layers)]
-    vector = torch.randn(model.d_model).to(torch.bfloat16)
+    for label, (overrides, batch, length) in SPEED_MODELS.items():
+        path = build_tiny_model("llama", root / f"speed-{batch}x{length}-{overrides['hidden_size']}",
+                                overrides=overrides)
+        model = load_model(str(path), backend="eager", device=DEVICE, dtype="bfloat16")
+        ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).to(DEVICE).eval()
+        tokens = torch.randint(3, 500, (batch, length), generator=torch.Generator().manual_seed(0))
+        points = [f"resid_post.{i}" for i in range(model.n_layers)]
+        vector = torch.randn(model.d_model).to(torch.bfloat16)
 
-    def hf():
-        with torch.inference_mode():
-            ref(tokens.to(DEVICE))
+        def hf():
+            with torch.inference_mode():
+                ref(tokens.to(DEVICE))
 
-    paths = {"hf_forward": hf, "capture_resid_post": lambda: capture(model, tokens, points, progress=False),
-             "steer_resid_post_4": lambda: steer(model, tokens, S.Add("resid_post.4", vector), progress=False)}
-    times: dict[str, list[float]] = {name: [] for name in paths}
-    for rep in range(18):
-        for name, run in paths.items():
-            torch.cuda.synchronize() if DEVICE == "cuda" else None
-            start = time.perf_counter()
-            run()
-            torch.cuda.synchronize() if DEVICE == "cuda" else None
-            if rep >= 3:  # warm-up
-                times[name].append(time.perf_counter() - start)
-    base = statistics.median(times["hf_forward"])
-    for name in ("capture_resid_post", "steer_resid_post_4"):
-        ratios = sorted(t / b for t, b in zip(times[name], times["hf_forward"]))
-        RESULTS.append({"check": f"speed {name} / HF forward (8x256, bf16, 8 layers d_model 1024)",
-                        "ok": True, "median_ratio": statistics.median(ratios), "ratio_p10": ratios[1],
-                        "ratio_p90": ratios[-2], "hf_forward_ms": base * 1e3,
-                        "path_ms": statistics.median(times[name]) * 1e3})
-        print(f"info speed {name}: {statistics.median(times[name]) * 1e3:.2f} ms vs HF {base * 1e3:.2f} ms, "
-              f"ratio median {statistics.median(ratios):.3f} (p10 {ratios[1]:.3f}, p90 {ratios[-2]:.3f})", flush=True)
+        paths = {"hf_forward": hf,
+                 "steer_no_edit": lambda: steer(model, tokens, [], progress=False),
+                 "steer_one_add": lambda: steer(model, tokens, S.Add(f"resid_post.{model.n_layers // 2}", vector),
+                                                progress=False),
+                 "capture_resid_post_every_layer": lambda: capture(model, tokens, points, progress=False)}
+        times: dict[str, list[float]] = {name: [] for name in paths}
+        for rep in range(18):
+            for name, run in paths.items():
+                torch.cuda.synchronize() if DEVICE == "cuda" else None
+                start = time.perf_counter()
+                run()
+                torch.cuda.synchronize() if DEVICE == "cuda" else None
+                if rep >= 3:
+                    times[name].append(time.perf_counter() - start)
+        base = statistics.median(times["hf_forward"])
+        for name in list(paths)[1:]:
+            ratios = sorted(t / b for t, b in zip(times[name], times["hf_forward"]))
+            ms = statistics.median(times[name]) * 1e3
+            RESULTS.append({"check": f"speed {name} / HF forward ({label}, bf16)", "ok": True,
+                            "median_ratio": statistics.median(ratios), "ratio_p10": ratios[1], "ratio_p90": ratios[-2],
+                            "hf_forward_ms": base * 1e3, "path_ms": ms})
+            print(f"info speed {label} {name}: {ms:.2f} ms vs HF {base * 1e3:.2f} ms, ratio median "
+                  f"{statistics.median(ratios):.3f} (p10 {ratios[1]:.3f}, p90 {ratios[-2]:.3f})", flush=True)
+        del model, ref
+        torch.cuda.empty_cache() if DEVICE == "cuda" else None
+
+
+def check_device_map(path: Path) -> None:
+    """The device_map path (num_gpus over every visible card; with one card, device_map="auto" passed through to
+    from_pretrained) against HF loaded on one card: captures and a steer, float32."""
+    from transformers import AutoModelForCausalLM
+
+    count = torch.cuda.device_count()
+    keywords = {"num_gpus": count} if count > 1 else {"device_map": "auto"}
+    model = load_model(str(path), backend="eager", device=DEVICE, dtype="float32", attn_implementation="eager",
+                       **keywords)
+    ref = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager", dtype=torch.float32
+                                               ).to(DEVICE).eval()
+    tokens = model.to_tokens(PROMPT)
+    cache = capture(model, tokens, ["resid_post.0", "attn_probs.1", "logits"])
+    with torch.inference_mode():
+        out = ref(tokens.to(DEVICE), output_hidden_states=True, output_attentions=True)
+    error = max(rel(cache["resid_post.0"], out.hidden_states[1]), rel(cache["attn_probs.1"], out.attentions[1]),
+                rel(cache["logits"], out.logits))
+    record(f"llama/float32 device_map ({keywords}) capture vs HF on one card", error, 1e-4,
+           devices=str(sorted({str(p.device) for p in model.runtime.model.parameters()})))
 
 
 def check_refusal(path: Path) -> None:
@@ -219,12 +258,14 @@ def main() -> int:
                 except Exception as e:  # noqa: BLE001 - report and go on to the next family
                     record(f"{family}/{dtype} raised {type(e).__name__}: {e}"[:400], 1.0, 0.0)
         for name, check, arg in (("bnb", check_bnb, paths["llama"]), ("refusal", check_refusal, paths["llama"]),
+                                 ("device_map", check_device_map, paths["llama"]),
                                  ("speed", check_speed, Path(root))) if DEVICE == "cuda" else ():
             try:
                 check(arg)
             except Exception as e:  # noqa: BLE001
                 record(f"{name} raised {type(e).__name__}: {e}"[:400], 1.0, 0.0)
-    meta = {"device": torch.cuda.get_device_name(0) if DEVICE == "cuda" else DEVICE, "torch": torch.__version__, "seconds": time.time() - started}
+    meta = {"device": torch.cuda.get_device_name(0) if DEVICE == "cuda" else DEVICE, "torch": torch.__version__,
+            "seconds": time.time() - started}
     import transformers
 
     meta["transformers"] = transformers.__version__
