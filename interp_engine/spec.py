@@ -6,6 +6,7 @@ one escape hatch: eager only, never serialised.
 """
 
 import base64
+import binascii
 import hashlib
 import json
 from collections.abc import Callable, Mapping, Sequence
@@ -22,6 +23,31 @@ from interp_engine.errors import InputTypeError, InterpEngineError, SpecError, f
 # Every floating dtype by its torch name ("float32", and aliases such as "float" and "half"), built once here.
 FLOAT_DTYPES: dict[str, torch.dtype] = {name: t for name, t in vars(torch).items()
                                          if isinstance(t, torch.dtype) and t.is_floating_point}
+# What a spec tensor may hold: the floats every backend can scan for NaN and cast on CPU. float8 and the other
+# narrow floats have no CPU kernels for those scans (torch.isposinf raises), so a spec refuses them by name.
+SPEC_DTYPES: dict[str, torch.dtype] = {name: t for name, t in FLOAT_DTYPES.items()
+                                        if t in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
+# Bounds on sizes and indices read from data: far above any model (2**31 positions, heads or layers), far below
+# where torch's int64 arithmetic overflows, and short enough to print in a message.
+MAX_INDEX = 2**31 - 1
+MAX_NDIM = 8
+_CHUNK = 4 << 20  # base64 characters decoded at a time (a multiple of 4): the only copy beside the tensor
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """repr for a message, short; never fails (Python refuses to print ints of more than 4300 digits)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    try:
+        text = repr(value)
+    except ValueError:
+        return f"a {type(value).__name__} too large to print"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def is_index(value: Any) -> bool:
+    """An int (not a bool) within +-MAX_INDEX."""
+    return isinstance(value, int) and not isinstance(value, bool) and -MAX_INDEX <= value <= MAX_INDEX
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,15 +64,19 @@ class TensorData:
         if not isinstance(value, torch.Tensor):
             raise InputTypeError(fix(f"{what} must be a torch.Tensor, got {type(value).__name__}.",
                                      f"wrap it: torch.tensor(...), e.g. {what}=torch.randn(d_model)."))
-        if not (value.is_floating_point()):
-            raise SpecError(fix(f"{what} has dtype {value.dtype}; edits need a floating-point tensor.",
+        if value.dtype not in SPEC_DTYPES.values():
+            narrow = " (a float without the CPU kernels a spec's checks need)" if value.is_floating_point() else ""
+            raise SpecError(fix(f"{what} has dtype {value.dtype}{narrow}; edits need a floating-point tensor: "
+                                "float16, bfloat16, float32 or float64.",
                                 f"pass {what}.float() (it is cast to the model dtype at run time)."))
         t = value.detach().cpu().contiguous()
-        if bool(torch.isnan(t).any()) or bool(torch.isposinf(t).any()):
+        flat = t.reshape(-1)
+        # In slices, so that a large vector costs no second full-size (bool) tensor.
+        if any(bool(torch.isnan(c).any()) or bool(torch.isposinf(c).any()) for c in flat.split(1 << 22)):
             raise SpecError(fix(f"{what} contains NaN or +inf; it would poison every later activation.",
                                 f"clean it first, e.g. torch.nan_to_num({what})."))
         h = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(flat.view(torch.uint8).numpy())  # the buffer itself, not a bytes copy
         return cls(t, h.hexdigest()[:32])
 
     @property
@@ -63,26 +93,44 @@ class TensorData:
         remedy = "pass the {dtype, shape, data} dict that Spec.to_dict() wrote, unchanged."
         if not isinstance(d, Mapping) or not {"dtype", "shape", "data"} <= set(d):
             raise SpecError(fix(f"{what} is not a tensor dict (dtype, shape, data).", remedy))
+        if len(d) != 3:
+            extra = sorted(shown(k) for k in d if k not in ("dtype", "shape", "data"))
+            raise SpecError(fix(f"{what} has unknown keys {', '.join(extra)}; a tensor dict holds dtype, shape and "
+                                "data only.", remedy))
         # A fixed table, not getattr(torch, name): a name read from a file never reaches an attribute lookup.
-        dtype = FLOAT_DTYPES.get(d["dtype"]) if isinstance(d["dtype"], str) else None
+        dtype = SPEC_DTYPES.get(d["dtype"]) if isinstance(d["dtype"], str) else None
         if dtype is None:
-            raise SpecError(fix(f"{what}: unknown tensor dtype {d['dtype']!r}.",
-                                'use a floating dtype name such as "float32" or "bfloat16".'))
-        shape = d["shape"]
+            raise SpecError(fix(f"{what}: tensor dtype {shown(d['dtype'])} is not one a spec holds.",
+                                'use "float32", "float16", "bfloat16" or "float64" (float8 vectors: store them as '
+                                'float32; they are cast to the model dtype at run time).'))
+        shape, data = d["shape"], d["data"]
+        if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(
+                isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= MAX_INDEX for s in shape):
+            raise SpecError(fix(f"{what}: shape {shown(shape)} is not a list of at most {MAX_NDIM} sizes in "
+                                f"0..{MAX_INDEX}.", remedy))
+        if not isinstance(data, str):
+            raise SpecError(fix(f"{what}: data is a {type(data).__name__}, not a base64 string.", remedy))
+        size = dtype.itemsize
+        for s in shape:
+            size *= s
+        # Checked before decoding: a payload of the wrong length never costs its decoded size in memory.
+        if len(data) != 4 * -(-size // 3):
+            raise SpecError(fix(f"{what}: {len(data)} base64 characters, but shape {shape} of {d['dtype']} is {size} "
+                                f"bytes ({4 * -(-size // 3)} characters).", remedy))
+        raw = torch.empty(size, dtype=torch.uint8)
+        out, at = raw.numpy(), 0
         try:
-            if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
-                raise ValueError("shape must be a list of sizes")
-            raw = bytearray(base64.b64decode(d["data"], validate=True))
-            count = 1
-            for s in shape:
-                count *= s
-            if len(raw) != count * dtype.itemsize:
-                raise ValueError(f"{len(raw)} bytes of data for shape {shape} of {d['dtype']}")
+            for i in range(0, len(data), _CHUNK):
+                piece = binascii.a2b_base64(data[i:i + _CHUNK], strict_mode=True)
+                if at + len(piece) > size:
+                    raise ValueError("more bytes than the shape holds")
+                out[at:at + len(piece)] = memoryview(piece)
+                at += len(piece)
+            if at != size:
+                raise ValueError(f"{at} bytes of data for {size}")
         except (ValueError, TypeError) as e:
-            raise SpecError(fix(f"{what} is malformed: {e}.", remedy)) from None
-        t = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape) if raw else \
-            torch.empty(shape, dtype=dtype)
-        return cls.of(t.clone(), what=what)
+            raise SpecError(fix(f"{what}: data is not the base64 of {size} bytes ({e}).", remedy)) from None
+        return cls.of(raw.view(dtype).reshape(shape), what=what)
 
 
 # -------------------------------------------------------------------------------------------- positions
@@ -112,11 +160,14 @@ class Positions:
         if isinstance(value, bool):
             raise SpecError(fix(f"positions={value!r} is ambiguous.", 'use "all", "last", an int, a list or a slice.'))
         if isinstance(value, int):
-            return cls("indices", indices=(value,))
+            return cls("indices", indices=(_position(value),))
         if isinstance(value, slice):
             parts = (value.start, value.stop, value.step)
             if not all(p is None or (isinstance(p, int) and not isinstance(p, bool)) for p in parts):
-                raise SpecError(fix(f"positions slice {value!r} must hold ints or None.", "e.g. slice(2, None)."))
+                raise SpecError(fix(f"positions slice {shown(value)} must hold ints or None.", "e.g. slice(2, None)."))
+            for p in parts:
+                if p is not None:
+                    _position(p)
             if value.step is not None and value.step <= 0:
                 raise SpecError(fix(f"positions slice step must be positive, got {value.step}.", "use slice(a, b, 1)."))
             return cls("slice", start=value.start, stop=value.stop, step=value.step)
@@ -126,13 +177,16 @@ class Positions:
             if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
                 if not value:
                     raise SpecError(fix("positions=[] selects nothing.", 'use "all", "last" or at least one index.'))
-                return cls("indices", indices=tuple(value))
-            entries = tuple(cls.of(v) for v in value)
-            if any(e.kind == "per_prompt" for e in entries):
-                raise SpecError(fix(f"positions {value!r} nest one list per prompt inside another.",
+                return cls("indices", indices=tuple(_position(v) for v in value))
+            value = [v.tolist() if isinstance(v, torch.Tensor) else v for v in value]
+            # Checked before reading the entries: a deeply nested list is refused at its second level, never
+            # recursed into (which would end in a RecursionError).
+            if any(_is_list(v) and not all(isinstance(x, int) and not isinstance(x, bool) for x in v) for v in value) \
+                    or any(isinstance(v, Positions) and v.kind == "per_prompt" for v in value):
+                raise SpecError(fix(f"positions {shown(value)} nest one list per prompt inside another.",
                                     'give one entry per prompt, each "all", "last", an int, a list of ints or a slice.'))
-            return cls("per_prompt", per_prompt=entries)
-        raise SpecError(fix(f"cannot read positions from {value!r}.",
+            return cls("per_prompt", per_prompt=tuple(cls.of(v) for v in value))
+        raise SpecError(fix(f"cannot read positions from {shown(value)}.",
                             'use "all", "last", an int, a list of ints, a slice, or one of those per prompt.'))
 
     def to_dict(self) -> Any:
@@ -146,17 +200,38 @@ class Positions:
 
     @classmethod
     def from_dict(cls, d: Any) -> "Positions":
-        if isinstance(d, Mapping) and "slice" in d:
-            if not isinstance(d["slice"], list) or len(d["slice"]) != 3:
-                raise SpecError(fix(f"positions {d!r} is not a slice.", 'write {"slice": [start, stop, step]}.'))
-            return cls.of(slice(*d["slice"]))
-        if isinstance(d, Mapping) and "per_prompt" in d:
-            return cls.of([cls.from_dict(p) for p in d["per_prompt"]])
+        if isinstance(d, Mapping):
+            if len(d) != 1 or not ({"slice", "per_prompt"} & set(d)):
+                raise SpecError(fix(f"positions {shown(d)} has keys {sorted(shown(k) for k in d)}; a positions dict "
+                                    'holds one key, "slice" or "per_prompt".',
+                                    'write {"slice": [start, stop, step]} or {"per_prompt": [...]}.'))
+            if "slice" in d:
+                if not isinstance(d["slice"], list) or len(d["slice"]) != 3:
+                    raise SpecError(fix(f"positions {shown(d)} is not a slice.", 'write {"slice": [start, stop, step]}.'))
+                return cls.of(slice(*d["slice"]))
+            entries = d["per_prompt"]
+            if not isinstance(entries, list) or any(isinstance(p, Mapping) and "per_prompt" in p for p in entries):
+                raise SpecError(fix(f"positions {shown(d)} is not one entry per prompt.",
+                                    'write {"per_prompt": [entry, ...]}, each entry "all", "last", an int, a list of '
+                                    'ints or a slice dict.'))
+            return cls.of([cls.from_dict(p) if isinstance(p, Mapping) else p for p in entries])
         return cls.of(d)
 
 
 ALL = Positions("all")
 LAST = Positions("last")
+
+
+def _is_list(value: Any) -> bool:
+    return isinstance(value, Sequence) and not isinstance(value, str)
+
+
+def _position(value: int) -> int:
+    if not is_index(value):
+        raise SpecError(fix(f"position {shown(value)} is past any prompt: positions lie within +-{MAX_INDEX}.",
+                            "use an index within the prompt (negative counts from the end), or None in a slice "
+                            "for \"to the end\"."))
+    return value
 
 # -------------------------------------------------------------------------------------------------- ops
 
@@ -171,9 +246,8 @@ def _norm_heads(obj: Any) -> None:
         return
     if isinstance(heads, int) and not isinstance(heads, bool):
         heads = (heads,)
-    if not isinstance(heads, Sequence) or not heads or not all(isinstance(h, int) and not isinstance(h, bool)
-                                                               for h in heads):
-        raise SpecError(fix(f"heads={obj.heads!r} is not a list of head indices.", "write heads=[0, 3]."))
+    if not isinstance(heads, Sequence) or not heads or not all(is_index(h) for h in heads):
+        raise SpecError(fix(f"heads={shown(obj.heads)} is not a list of head indices.", "write heads=[0, 3]."))
     object.__setattr__(obj, "heads", tuple(heads))
 
 
@@ -185,9 +259,14 @@ def _norm_number(obj: Any, name: str) -> None:
     value = getattr(obj, name)
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise SpecError(fix(f"{type(obj).__name__}.{name} must be a number, got {value!r}.", f"write {name}=2.0."))
-    if value != value or value in (float("inf"), float("-inf")):
-        raise SpecError(fix(f"{type(obj).__name__}.{name} is {value}.", f"use a finite {name}."))
-    object.__setattr__(obj, name, float(value))
+    try:
+        number = float(value)
+    except OverflowError:
+        number = float("inf")
+    if number != number or number in (float("inf"), float("-inf")):
+        raise SpecError(fix(f"{type(obj).__name__}.{name} is {shown(value)}, not a finite float.",
+                            f"use a finite {name}."))
+    object.__setattr__(obj, name, number)
 
 
 @dataclass(frozen=True, slots=True)
@@ -349,6 +428,11 @@ class Spec:
         if not isinstance(d, Mapping) or d.get("interp_engine_spec") != 1 or not isinstance(d.get("ops"), list):
             raise SpecError(fix("this is not a spec dict (missing 'interp_engine_spec': 1 and 'ops').",
                                 "pass what Spec.to_dict() returned, e.g. Spec.from_dict(json.load(f))."))
+        if len(d) != 2:
+            extra = sorted(shown(k) for k in d if k not in ("interp_engine_spec", "ops"))
+            raise SpecError(fix(f"this spec dict has unknown keys {', '.join(extra)}.",
+                                "a spec dict holds 'interp_engine_spec' and 'ops' only; pass what Spec.to_dict() "
+                                "returned."))
         ops = []
         for i, raw in enumerate(d["ops"]):
             kind = raw.get("op") if isinstance(raw, Mapping) else None
@@ -358,7 +442,7 @@ class Spec:
             names = {f.name: f for f in fields(op_type)}
             unknown = set(raw) - set(names) - {"op"}
             if unknown:
-                raise SpecError(fix(f"ops[{i}] ({kind}) has unknown fields {sorted(unknown)}.",
+                raise SpecError(fix(f"ops[{i}] ({kind}) has unknown fields {sorted(unknown, key=str)}.",
                                     f"{kind} takes {', '.join(names)}."))
             try:
                 kwargs: dict[str, Any] = {}
