@@ -9,6 +9,7 @@ import base64
 import binascii
 import hashlib
 import json
+import reprlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Union
@@ -34,13 +35,17 @@ MAX_NDIM = 8
 _CHUNK = 4 << 20  # base64 characters decoded at a time (a multiple of 4): the only copy beside the tensor
 
 
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxlong = 3, 40
+
+
 def shown(value: Any, limit: int = 80) -> str:
     """repr for a message, short; never fails (Python refuses to print ints of more than 4300 digits)."""
     if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
         return f"an integer of {value.bit_length()} bits"
     try:
-        text = repr(value)
-    except ValueError:
+        text = _SHORT.repr(value)  # reprlib: nested lists to three levels, so a deep one never recurses
+    except (ValueError, RecursionError):
         return f"a {type(value).__name__} too large to print"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
