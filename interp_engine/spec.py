@@ -212,7 +212,8 @@ class Positions:
                                     'write {"slice": [start, stop, step]} or {"per_prompt": [...]}.'))
             if "slice" in d:
                 if not isinstance(d["slice"], list) or len(d["slice"]) != 3:
-                    raise SpecError(fix(f"positions {shown(d)} is not a slice.", 'write {"slice": [start, stop, step]}.'))
+                    raise SpecError(fix(f"positions {shown(d)} is not a slice.",
+                                        'write {"slice": [start, stop, step]}.'))
                 return cls.of(slice(*d["slice"]))
             entries = d["per_prompt"]
             if not isinstance(entries, list) or any(isinstance(p, Mapping) and "per_prompt" in p for p in entries):

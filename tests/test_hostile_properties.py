@@ -1,7 +1,7 @@
 """Random JSON, tensors and keywords thrown at Spec.from_dict, capture, steer, generate and load_harvest: only the
 library's errors (InterpEngineError subclasses) or valid results come out (issue 19, Deliver).
 
-Examples per test: HOSTILE_EXAMPLES (eager, default 150) and HOSTILE_VLLM_EXAMPLES (default 25).
+Examples per test: HOSTILE_EXAMPLES (eager and load_harvest, default 150) and HOSTILE_VLLM_EXAMPLES (default 25).
 """
 
 import asyncio
@@ -21,7 +21,9 @@ from tests.skips import requires
 
 EXAMPLES = int(os.environ.get("HOSTILE_EXAMPLES", "150"))
 VLLM_EXAMPLES = int(os.environ.get("HOSTILE_VLLM_EXAMPLES", "25"))
-SETTINGS = dict(deadline=None, suppress_health_check=list(HealthCheck), derandomize=os.environ.get("HOSTILE_RANDOM") is None)
+# Derandomized (the same examples every run) unless HOSTILE_RANDOM is set, to hunt for new failures.
+SETTINGS = dict(deadline=None, suppress_health_check=list(HealthCheck),
+                derandomize=os.environ.get("HOSTILE_RANDOM") is None)
 
 POINTS = ["resid_post.0", "resid_pre.2", "resid_post.-1", "attn_out.1", "mlp_out.0", "mlp_act.1", "q.0", "k.1", "z.2",
           "attn_scores.0", "attn_probs.1", "logits", "embed", "resid_post.3", "blocks.1.hook_resid_post",
