@@ -82,6 +82,11 @@ class Address:
         if isinstance(self.layer, bool) or (self.layer is not None and not isinstance(self.layer, int)):
             raise PointError(fix(f"layer of {self.point} must be an int, got {self.layer!r}.",
                                  f'write Address("{self.point}", 3).'))
+        # Bounded here so that no later message or tensor index meets an integer of hundreds of digits.
+        if self.layer is not None and not -_MAX_LAYER <= self.layer <= _MAX_LAYER:
+            raise PointError(fix(f"layer of {self.point} is an integer of {self.layer.bit_length()} bits; no model "
+                                 f"has that many layers (the bound is +-{_MAX_LAYER}).",
+                                 f'use a layer the model has, e.g. Address("{self.point}", -1) for the last.'))
         if info.layered and self.layer is None:
             raise PointError(fix(f"{self.point} is a per-layer point and needs a layer.",
                                  f'write Address("{self.point}", 0) or Address("{self.point}", -1) for the last.'))
@@ -103,7 +108,7 @@ class Address:
         if not dot:
             return cls(text.strip())
         try:
-            return cls(name, int(layer))
+            return cls(name, _layer(layer))
         except ValueError:
             raise PointError(fix(f"cannot read a layer from {text!r}.",
                                  'write "<point>.<layer>", e.g. "resid_post.10" or "resid_post.-1".')) from None
@@ -191,6 +196,18 @@ _TL_OF_POINT: dict[str, str] = {
 _TL_BLOCK = re.compile(r"blocks\.(-?\d+)\.(.+)")
 
 
+_MAX_LAYER = 2**31 - 1
+
+
+def _layer(digits: str) -> int:
+    """int(digits), refusing a number of more than 12 digits before Python parses it (it refuses 4300 and more
+    with a raw ValueError)."""
+    if len(digits.strip().lstrip("+-")) > 12:
+        raise PointError(fix(f"layer {digits[:20]}... has {len(digits)} digits; no model has that many layers.",
+                             'use a layer the model has, e.g. "resid_post.-1" for the last.'))
+    return int(digits)
+
+
 def is_tl_name(text: str) -> bool:
     """True for TransformerLens spellings: `blocks.L.hook_...`, `hook_...`, `ln_final.hook_...`."""
     return text.startswith(("blocks.", "hook_", "ln_final."))
@@ -198,7 +215,7 @@ def is_tl_name(text: str) -> bool:
 
 def _from_tl(text: str) -> tuple[str, int | None]:
     block = _TL_BLOCK.fullmatch(text)
-    layer, name = (int(block[1]), block[2]) if block else (None, text)
+    layer, name = (_layer(block[1]), block[2]) if block else (None, text)
     table, nearest = (_TL_PER_LAYER, _TL_NEAREST_PER_LAYER) if block else (_TL_MODEL, _TL_NEAREST_MODEL)
     if name in table:
         return table[name], layer

@@ -8,6 +8,11 @@ import torch
 from torch import Tensor
 
 from interp_engine.errors import InputTypeError, SpecError, fix
+from interp_engine.spec import shown
+
+# Token ids come only from integer tensors: a float, bool or complex tensor would be truncated to ids silently.
+_ID_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32,
+              torch.uint64)
 
 # Tensors are typed loosely here so that a float tensor reaches to_prompts' message (with its fix) rather
 # than a type-checker dump; to_prompts checks the dtype and rank itself.
@@ -46,9 +51,7 @@ def to_prompts(value: Any, *, tokenize, d_vocab: int, max_len: int, name: str = 
     if isinstance(value, str):
         value = [value]
     if isinstance(value, Tensor):
-        if value.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) or value.dtype == torch.bool:
-            raise InputTypeError(fix(f"{name} tensor has dtype {value.dtype}; token ids are integers.",
-                                     "pass model.to_tokens(text), or ids.long()."))
+        _check_ids_dtype(value, name)
         if value.ndim == 1:
             value = value.unsqueeze(0)
         if value.ndim != 2:
@@ -61,7 +64,7 @@ def to_prompts(value: Any, *, tokenize, d_vocab: int, max_len: int, name: str = 
         if all(isinstance(v, str) for v in value):
             rows = [tuple(tokenize(v)) for v in value]
         elif all(isinstance(v, Tensor) or (isinstance(v, Sequence) and not isinstance(v, str)) for v in value):
-            rows = [tuple(int(t) for t in (v.reshape(-1).tolist() if isinstance(v, Tensor) else v)) for v in value]
+            rows = [_row(v, i, name) for i, v in enumerate(value)]
         else:
             raise InputTypeError(fix(f"{name} mixes strings and token ids.", "pass all strings or all id lists."))
     else:
@@ -74,9 +77,28 @@ def to_prompts(value: Any, *, tokenize, d_vocab: int, max_len: int, name: str = 
             raise SpecError(fix(f"prompt {i} has no tokens.", "drop empty prompts, or keep the BOS token."))
         bad = [t for t in row if not 0 <= t < d_vocab]
         if bad:
-            raise SpecError(fix(f"prompt {i} has token ids outside the vocabulary (0..{d_vocab - 1}): {bad[:5]}.",
+            raise SpecError(fix(f"prompt {i} has token ids outside the vocabulary (0..{d_vocab - 1}): "
+                                f"[{', '.join(shown(t) for t in bad[:5])}].",
                                 "tokenize with this model's tokenizer: model.to_tokens(text)."))
         if len(row) > max_len:
             raise SpecError(fix(f"prompt {i} has {len(row)} tokens; the model takes at most {max_len}.",
                                 f"truncate it to {max_len} tokens."))
     return Prompts(tuple(rows))
+
+
+def _check_ids_dtype(value: Tensor, name: str) -> None:
+    if value.dtype not in _ID_DTYPES:
+        raise InputTypeError(fix(f"{name} tensor has dtype {value.dtype}; token ids are integers.",
+                                 "pass model.to_tokens(text), or ids.long() if they are ids already."))
+
+
+def _row(value: Any, i: int, name: str) -> tuple[int, ...]:
+    """One prompt's ids from a 1-D tensor or a list of ints; anything else (floats, bools, nested lists) refused."""
+    if isinstance(value, Tensor):
+        _check_ids_dtype(value, f"{name}[{i}]")
+        return tuple(value.reshape(-1).tolist())
+    bad = next((t for t in value if not isinstance(t, int) or isinstance(t, bool)), None)
+    if bad is not None:
+        raise InputTypeError(fix(f"prompt {i} holds {shown(bad)} ({type(bad).__name__}); token ids are ints.",
+                                 "pass a list of int ids per prompt, e.g. model.to_tokens(text).tolist()."))
+    return tuple(value)

@@ -13,6 +13,7 @@ from interp_engine import backends
 from interp_engine import quantization as Q
 from interp_engine.errors import InputTypeError, SpecError, fix
 from interp_engine.handle import ModelHandle
+from interp_engine.load_guards import check_fits
 from interp_engine.selection import (BackendSelection, Hardware, check_backend, choose_backend, read_config,
                                      select_backend, vllm_installed)
 from interp_engine.warnings import BackendFallbackWarning
@@ -58,6 +59,7 @@ def load_model(
     selection = choose_backend(config, source, requested_device=device, requested_dtype=dtype, force_backend=backend,
                                vllm_available=vllm_installed(), hardware=hardware,
                                eager_only=_eager_only(requires_grad, attn_implementation, quantization))
+    check_fits(str(repo_id), config, selection, quantization=quantization, num_gpus=num_gpus)
     if backend == "auto" and not selection.use_vllm:
         warnings.warn(f"load_model({str(repo_id)!r}): {selection.reason}.", BackendFallbackWarning, stacklevel=2)
     return backends.loader(selection.backend)(

@@ -6,6 +6,7 @@ machines are testable on a CPU; it still asks vLLM's real model registry. `selec
 
 import difflib
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +14,7 @@ from typing import Any
 
 import torch
 
-from interp_engine.arch import arch_for, vllm_model_types
+from interp_engine.arch import arch_for, check_sizes, vllm_model_types
 from interp_engine.errors import BackendError, InputTypeError, LoadError, SpecError, fix
 
 BACKENDS = ("auto", "vllm", "vllm-static", "vllm-generate", "eager")
@@ -62,6 +63,17 @@ def check_backend(backend: Any) -> str:
     return backend
 
 
+def _check_raw_sizes(path: Path) -> None:
+    """Sizes of at least 1 before transformers reads them (a zero num_attention_heads divides by zero there);
+    a file that is not JSON is left to transformers' own message."""
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(raw, dict):
+        check_sizes(raw)
+
+
 def read_config(repo_id: Any):
     """(local folder, transformers config) for a checkpoint folder or a repo id in the local HF cache."""
     from huggingface_hub import snapshot_download
@@ -86,8 +98,12 @@ def read_config(repo_id: Any):
         raise LoadError(fix(f"{folder} has no config.json, so it is not a HF checkpoint folder.",
                             "point at the folder save_pretrained() wrote (it holds config.json)."))
     try:
-        return str(folder), AutoConfig.from_pretrained(str(folder), local_files_only=True)
-    except (OSError, ValueError, StrictDataclassError) as e:
+        # trust_remote_code=False, explicitly: left as None, an auto_map naming an unknown model_type makes
+        # transformers ask on the terminal whether to run the folder's code. interp_engine serves only the
+        # families it knows, whose config classes transformers ships.
+        _check_raw_sizes(folder / "config.json")
+        return str(folder), AutoConfig.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError, ArithmeticError, StrictDataclassError) as e:  # a zero size divides by zero
         raise LoadError(fix(f"config.json of {str(repo_id)!r} cannot be read: {' '.join(str(e).split())[:300]}",
                             "make config.json readable and valid JSON, with the types transformers expects (what "
                             "save_pretrained() writes).")) from None

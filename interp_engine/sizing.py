@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from interp_engine.addresses import Address
-from interp_engine.arch import Dims, arch_for, read_dims
+from interp_engine.arch import Dims, arch_for, check_sizes, read_dims
 from interp_engine.errors import BackendError, InputTypeError, LoadError, SpecError, fix
 from interp_engine.loading import load_model
 from interp_engine.quantization import (KV_CACHE_DTYPES, check_kv_cache_dtype, check_runs, check_scheme,
@@ -92,10 +92,11 @@ def to_config(config: Any):
                             f"use a model of a covered family: {', '.join(sorted(LAYOUTS))}."))
     if isinstance(config, PretrainedConfig):
         return config
+    check_sizes(config)
     try:
         return CONFIG_MAPPING[model_type].from_dict(dict(config))
-    except (TypeError, ValueError, StrictDataclassError) as e:
-        raise LoadError(fix(f"config.json is not a valid {model_type} config: {e}",
+    except (TypeError, ValueError, ArithmeticError, StrictDataclassError) as e:  # a zero size divides by zero
+        raise LoadError(fix(f"config.json is not a valid {model_type} config: {type(e).__name__}: {e}",
                             "correct the named field; the sizer reads config.json as transformers does.")) from None
 
 

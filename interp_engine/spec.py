@@ -5,7 +5,6 @@ digest; `to_dict`/`from_dict` round-trip through JSON and never name code. `Cust
 one escape hatch: eager only, never serialised.
 """
 
-import base64
 import hashlib
 import json
 from collections.abc import Callable, Mapping, Sequence
@@ -16,152 +15,10 @@ import torch
 
 from interp_engine.addresses import Address
 from interp_engine.errors import InputTypeError, InterpEngineError, SpecError, fix
-
-# ---------------------------------------------------------------------------------------------- tensors
-
-# Every floating dtype by its torch name ("float32", and aliases such as "float" and "half"), built once here.
-FLOAT_DTYPES: dict[str, torch.dtype] = {name: t for name, t in vars(torch).items()
-                                         if isinstance(t, torch.dtype) and t.is_floating_point}
-
-
-@dataclass(frozen=True, slots=True)
-class TensorData:
-    """A tensor that compares and hashes by content (dtype, shape, bytes)."""
-
-    tensor: torch.Tensor = field(compare=False, repr=False)
-    digest: str = ""
-
-    @classmethod
-    def of(cls, value: Any, *, what: str) -> "TensorData":
-        if isinstance(value, TensorData):
-            return value
-        if not isinstance(value, torch.Tensor):
-            raise InputTypeError(fix(f"{what} must be a torch.Tensor, got {type(value).__name__}.",
-                                     f"wrap it: torch.tensor(...), e.g. {what}=torch.randn(d_model)."))
-        if not (value.is_floating_point()):
-            raise SpecError(fix(f"{what} has dtype {value.dtype}; edits need a floating-point tensor.",
-                                f"pass {what}.float() (it is cast to the model dtype at run time)."))
-        t = value.detach().cpu().contiguous()
-        if bool(torch.isnan(t).any()) or bool(torch.isposinf(t).any()):
-            raise SpecError(fix(f"{what} contains NaN or +inf; it would poison every later activation.",
-                                f"clean it first, e.g. torch.nan_to_num({what})."))
-        h = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-        return cls(t, h.hexdigest()[:32])
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.tensor.shape)
-
-    def to_dict(self) -> dict[str, Any]:
-        raw = self.tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
-        return {"dtype": str(self.tensor.dtype).removeprefix("torch."), "shape": list(self.shape),
-                "data": base64.b64encode(raw).decode("ascii")}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any], *, what: str, digest: str | None = None) -> "TensorData":
-        """Rebuild a tensor from `to_dict` output, checking its dtype name, shape and size. With `digest` (a
-        table the driver validated already: see `Spec.from_validated_dict`) the value checks and the content
-        hash are skipped and `digest` is the tensor's identity."""
-        remedy = "pass the {dtype, shape, data} dict that Spec.to_dict() wrote, unchanged."
-        if not isinstance(d, Mapping) or not {"dtype", "shape", "data"} <= set(d):
-            raise SpecError(fix(f"{what} is not a tensor dict (dtype, shape, data).", remedy))
-        # A fixed table, not getattr(torch, name): a name read from a file never reaches an attribute lookup.
-        dtype = FLOAT_DTYPES.get(d["dtype"]) if isinstance(d["dtype"], str) else None
-        if dtype is None:
-            raise SpecError(fix(f"{what}: unknown tensor dtype {d['dtype']!r}.",
-                                'use a floating dtype name such as "float32" or "bfloat16".'))
-        shape = d["shape"]
-        try:
-            if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
-                raise ValueError("shape must be a list of sizes")
-            raw = bytearray(base64.b64decode(d["data"], validate=True))
-            count = 1
-            for s in shape:
-                count *= s
-            if len(raw) != count * dtype.itemsize:
-                raise ValueError(f"{len(raw)} bytes of data for shape {shape} of {d['dtype']}")
-        except (ValueError, TypeError) as e:
-            raise SpecError(fix(f"{what} is malformed: {e}.", remedy)) from None
-        t = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape) if raw else \
-            torch.empty(shape, dtype=dtype)
-        if digest is not None:
-            return cls(t, digest)  # `raw` is this tensor's own buffer: no copy needed
-        return cls.of(t.clone(), what=what)
-
-
-# -------------------------------------------------------------------------------------------- positions
-
-PositionKind = Literal["all", "last", "indices", "slice", "per_prompt"]
-
-
-@dataclass(frozen=True, slots=True)
-class Positions:
-    """Which positions an op touches. Negative indices count from the end of each prompt."""
-
-    kind: PositionKind = "all"
-    indices: tuple[int, ...] = ()
-    start: int | None = None
-    stop: int | None = None
-    step: int | None = None
-    per_prompt: tuple["Positions", ...] = ()
-
-    @classmethod
-    def of(cls, value: Any) -> "Positions":
-        if isinstance(value, Positions):
-            return value
-        if value is None or value == "all":
-            return ALL
-        if value == "last":
-            return LAST
-        if isinstance(value, bool):
-            raise SpecError(fix(f"positions={value!r} is ambiguous.", 'use "all", "last", an int, a list or a slice.'))
-        if isinstance(value, int):
-            return cls("indices", indices=(value,))
-        if isinstance(value, slice):
-            parts = (value.start, value.stop, value.step)
-            if not all(p is None or (isinstance(p, int) and not isinstance(p, bool)) for p in parts):
-                raise SpecError(fix(f"positions slice {value!r} must hold ints or None.", "e.g. slice(2, None)."))
-            if value.step is not None and value.step <= 0:
-                raise SpecError(fix(f"positions slice step must be positive, got {value.step}.", "use slice(a, b, 1)."))
-            return cls("slice", start=value.start, stop=value.stop, step=value.step)
-        if isinstance(value, torch.Tensor):
-            value = value.tolist()
-        if isinstance(value, Sequence) and not isinstance(value, str):
-            if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-                if not value:
-                    raise SpecError(fix("positions=[] selects nothing.", 'use "all", "last" or at least one index.'))
-                return cls("indices", indices=tuple(value))
-            entries = tuple(cls.of(v) for v in value)
-            if any(e.kind == "per_prompt" for e in entries):
-                raise SpecError(fix(f"positions {value!r} nest one list per prompt inside another.",
-                                    'give one entry per prompt, each "all", "last", an int, a list of ints or a slice.'))
-            return cls("per_prompt", per_prompt=entries)
-        raise SpecError(fix(f"cannot read positions from {value!r}.",
-                            'use "all", "last", an int, a list of ints, a slice, or one of those per prompt.'))
-
-    def to_dict(self) -> Any:
-        if self.kind in ("all", "last"):
-            return self.kind
-        if self.kind == "indices":
-            return list(self.indices)
-        if self.kind == "slice":
-            return {"slice": [self.start, self.stop, self.step]}
-        return {"per_prompt": [p.to_dict() for p in self.per_prompt]}
-
-    @classmethod
-    def from_dict(cls, d: Any) -> "Positions":
-        if isinstance(d, Mapping) and "slice" in d:
-            if not isinstance(d["slice"], list) or len(d["slice"]) != 3:
-                raise SpecError(fix(f"positions {d!r} is not a slice.", 'write {"slice": [start, stop, step]}.'))
-            return cls.of(slice(*d["slice"]))
-        if isinstance(d, Mapping) and "per_prompt" in d:
-            return cls.of([cls.from_dict(p) for p in d["per_prompt"]])
-        return cls.of(d)
-
-
-ALL = Positions("all")
-LAST = Positions("last")
+# Re-exported: a spec's tensors and positions are part of what `interp_engine.spec` offers.
+from interp_engine.positions import ALL, LAST, Positions, PositionKind  # noqa: F401
+from interp_engine.tensor_data import (FLOAT_DTYPES, MAX_INDEX, MAX_NDIM, SPEC_DTYPES, TensorData,  # noqa: F401
+                                       is_index, shown)
 
 # -------------------------------------------------------------------------------------------------- ops
 
@@ -176,9 +33,8 @@ def _norm_heads(obj: Any) -> None:
         return
     if isinstance(heads, int) and not isinstance(heads, bool):
         heads = (heads,)
-    if not isinstance(heads, Sequence) or not heads or not all(isinstance(h, int) and not isinstance(h, bool)
-                                                               for h in heads):
-        raise SpecError(fix(f"heads={obj.heads!r} is not a list of head indices.", "write heads=[0, 3]."))
+    if not isinstance(heads, Sequence) or not heads or not all(is_index(h) for h in heads):
+        raise SpecError(fix(f"heads={shown(obj.heads)} is not a list of head indices.", "write heads=[0, 3]."))
     object.__setattr__(obj, "heads", tuple(heads))
 
 
@@ -190,9 +46,14 @@ def _norm_number(obj: Any, name: str) -> None:
     value = getattr(obj, name)
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise SpecError(fix(f"{type(obj).__name__}.{name} must be a number, got {value!r}.", f"write {name}=2.0."))
-    if value != value or value in (float("inf"), float("-inf")):
-        raise SpecError(fix(f"{type(obj).__name__}.{name} is {value}.", f"use a finite {name}."))
-    object.__setattr__(obj, name, float(value))
+    try:
+        number = float(value)
+    except OverflowError:
+        number = float("inf")
+    if number != number or number in (float("inf"), float("-inf")):
+        raise SpecError(fix(f"{type(obj).__name__}.{name} is {shown(value)}, not a finite float.",
+                            f"use a finite {name}."))
+    object.__setattr__(obj, name, number)
 
 
 @dataclass(frozen=True, slots=True)
@@ -369,6 +230,11 @@ class Spec:
         if not isinstance(d, Mapping) or d.get("interp_engine_spec") != 1 or not isinstance(d.get("ops"), list):
             raise SpecError(fix("this is not a spec dict (missing 'interp_engine_spec': 1 and 'ops').",
                                 "pass what Spec.to_dict() returned, e.g. Spec.from_dict(json.load(f))."))
+        if len(d) != 2:
+            extra = sorted(shown(k) for k in d if k not in ("interp_engine_spec", "ops"))
+            raise SpecError(fix(f"this spec dict has unknown keys {', '.join(extra)}.",
+                                "a spec dict holds 'interp_engine_spec' and 'ops' only; pass what Spec.to_dict() "
+                                "returned."))
         ops = []
         for i, raw in enumerate(d["ops"]):
             kind = raw.get("op") if isinstance(raw, Mapping) else None
@@ -378,7 +244,7 @@ class Spec:
             names = {f.name: f for f in fields(op_type)}
             unknown = set(raw) - set(names) - {"op"}
             if unknown:
-                raise SpecError(fix(f"ops[{i}] ({kind}) has unknown fields {sorted(unknown)}.",
+                raise SpecError(fix(f"ops[{i}] ({kind}) has unknown fields {sorted(unknown, key=str)}.",
                                     f"{kind} takes {', '.join(names)}."))
             try:
                 kwargs: dict[str, Any] = {}

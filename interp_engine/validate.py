@@ -41,6 +41,12 @@ def _resolve(address: Address, model, problems: list) -> Address | None:
 
 def _check_value(op, name: str, shape: tuple[int, ...], address: Address, feat: tuple[int, ...],
                  n_prompts: int, problems: list) -> None:
+    if 0 in shape:
+        problems.append(SpecError(fix(f"{type(op).__name__} at {address}: {name} has shape {shape}, with an empty "
+                                      "axis, so it holds no value to write.",
+                                      f"pass a {name} of shape {feat} (one position), or the whole point with every "
+                                      "axis at least 1.")))
+        return
     if address.point != "attn_scores" and bool(getattr(op, name).tensor.isneginf().any()):
         problems.append(SpecError(fix(f"{type(op).__name__} at {address}: {name} contains -inf, which only "
                                       "attn_scores can hold (a masked key).",

@@ -4,6 +4,7 @@ One file per family holds an `Arch`; the registry maps `config.model_type` to it
 the causal-LM model (`layers`, `final_norm`, `unembed`) or to one decoder layer (the rest).
 """
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from interp_engine.errors import LoadError, fix
@@ -52,7 +53,34 @@ class Dims:
     max_len: int
 
 
+# The sizes read_dims takes from config.json, each a whole number of at least 1 when present (the first four
+# must be): zero or negative sizes would price as "fits" or divide by zero, and build no model.
+_SIZES = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size", "num_key_value_heads",
+          "head_dim", "max_position_embeddings", "n_positions")
+
+
+# The same sizes under GPT-2's names, as config.json spells them (the config classes alias them).
+_RAW_SIZES = (*_SIZES, "intermediate_size", "n_layer", "n_embd", "n_head", "n_inner")
+
+
+def check_sizes(config, arch: Arch | None = None) -> None:
+    """A transformers config (with its arch: the four required sizes must be there), or config.json as a dict
+    before transformers reads it (whose own checks divide by num_attention_heads): numbers present must be >= 1."""
+    raw = isinstance(config, Mapping)
+    for key in _RAW_SIZES if raw else (*_SIZES, *arch.d_mlp_keys):
+        value = config.get(key) if raw else getattr(config, key, None)
+        if value is None and (raw or key not in _SIZES[:4]):
+            continue
+        if raw and (isinstance(value, bool) or not isinstance(value, int | float)):
+            continue  # a wrong type: transformers' own validation names it
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise LoadError(fix(f"config.json has {key}={value!r}; a model size must be a whole number of at least 1.",
+                                f"correct {key} in config.json (save_pretrained() writes it), or use the checkpoint "
+                                "as published."))
+
+
 def read_dims(config, arch: Arch) -> Dims:
+    check_sizes(config, arch)
     n_heads = config.num_attention_heads
     d_model = config.hidden_size
     d_mlp = next((getattr(config, k) for k in arch.d_mlp_keys if getattr(config, k, None)), 4 * d_model)

@@ -3,8 +3,11 @@
 import difflib
 import functools
 import inspect
+import re
 import typing
 from collections.abc import Callable, Iterable
+
+from jaxtyping import TypeCheckError
 
 from interp_engine.addresses import Address
 from interp_engine.backends import serving
@@ -73,9 +76,27 @@ def checked_arguments(function: Callable) -> Callable:
                 shown = repr(value) if len(repr(value)) <= 60 else f"a {type(value).__name__}"
                 remedy = _REMEDIES.get(name, f"pass {name}= as {_plain(hint)}.").format(verb=verb)
                 raise InputTypeError(fix(f"{verb}(): {name}={shown} is not what {name} takes.", remedy))
-        return function(*args, **kwargs)
+        try:
+            return function(*args, **kwargs)
+        except TypeCheckError as e:
+            # is_bearable above checks one element of a list, picked at random, and so does the decorator: on a
+            # list with one bad element the two picks can differ. Only the parameter check is turned into ours.
+            if "whilst checking the parameters" not in str(e):
+                raise
+            found = _PARAMETER.search(str(e))
+            if found is None:  # jaxtyping could not say which
+                raise InputTypeError(fix(f"{verb}(): an argument holds an element that is not what it takes.",
+                                         "check every list element: token ids are ints, points are addresses, "
+                                         "a spec holds ops.")) from None
+            name = found[1]
+            remedy = _REMEDIES.get(name, f"pass {name}= as {_plain(hints.get(name))}.").format(verb=verb)
+            raise InputTypeError(fix(f"{verb}(): {name}= holds an element that is not what {name} takes.",
+                                     remedy)) from None
 
     return wrapper
+
+
+_PARAMETER = re.compile(r"typechecking parameter '(\w+)'")
 
 
 def _plain(hint) -> str:

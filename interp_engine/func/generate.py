@@ -1,3 +1,4 @@
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -12,7 +13,7 @@ from interp_engine.func._prepare import checked_arguments, prepare
 from interp_engine.func.shapes import checked_result
 from interp_engine.handle import ModelHandle
 from interp_engine.inputs import PromptsLike
-from interp_engine.spec import Op, Spec
+from interp_engine.spec import MAX_INDEX, Op, Spec, shown
 from interp_engine.typing import Tokens
 
 
@@ -44,16 +45,22 @@ def generate(model: ModelHandle, prompts: PromptsLike, spec: Spec | Op | Sequenc
     the prompt lands on a generated token; "last" is the newest token at every step.
     """
     if max_new_tokens < 1:
-        raise SpecError(fix(f"max_new_tokens={max_new_tokens} generates nothing.", "pass max_new_tokens >= 1."))
-    if temperature < 0 or (top_p is not None and not 0 < top_p <= 1) or (top_k is not None and top_k < 1):
-        raise SpecError(fix(f"sampling settings temperature={temperature}, top_k={top_k}, top_p={top_p} are out "
-                            "of range.", "use temperature >= 0, top_k >= 1, 0 < top_p <= 1."))
+        raise SpecError(fix(f"max_new_tokens={shown(max_new_tokens)} generates nothing.", "pass max_new_tokens >= 1."))
+    if not 0 <= temperature < math.inf or (top_p is not None and not 0 < top_p <= 1) or (
+            top_k is not None and not 1 <= top_k <= MAX_INDEX):
+        raise SpecError(fix(f"sampling settings temperature={temperature}, top_k={shown(top_k)}, top_p={top_p} are "
+                            "out of range.",
+                            f"use a finite temperature >= 0, top_k in 1..{MAX_INDEX}, 0 < top_p <= 1."))
+    if seed is not None and not 0 <= seed < 2**63:
+        raise SpecError(fix(f"seed={shown(seed)} is outside 0..2**63-1, what every backend's generator takes.",
+                            "use a non-negative seed below 2**63, e.g. seed=0."))
     reads = capture or ()
     batch, plan = prepare(model, prompts, spec, reads, purpose="generate", verb="generate", batch_size=batch_size)
     longest = max(batch.lengths) + max_new_tokens
     if longest > model.dims.max_len:
-        raise SpecError(fix(f"a prompt of {max(batch.lengths)} tokens plus {max_new_tokens} new ones exceeds the "
-                            f"model's {model.dims.max_len} positions.", "lower max_new_tokens or shorten the prompt."))
+        raise SpecError(fix(f"a prompt of {max(batch.lengths)} tokens plus {shown(max_new_tokens)} new ones exceeds "
+                            f"the model's {model.dims.max_len} positions.",
+                            "lower max_new_tokens or shorten the prompt."))
     new, records = model.runtime.generate(batch, plan, max_new_tokens=max_new_tokens, temperature=temperature,
                                           top_k=top_k, top_p=top_p, seed=seed, stop_at_eos=stop_at_eos,
                                           batch_size=batch_size, progress=progress)

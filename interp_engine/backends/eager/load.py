@@ -9,6 +9,7 @@ from interp_engine import quantization as Q
 from interp_engine.arch import arch_for, read_dims
 from interp_engine.errors import BackendError, SpecError, fix
 from interp_engine.handle import ModelHandle
+from interp_engine.load_guards import load_tokenizer
 from interp_engine.selection import BackendSelection, Hardware
 
 
@@ -29,7 +30,6 @@ def load(repo_id: str, source: str, config, selection: BackendSelection, hardwar
     if num_gpus > 1 and torch.cuda.device_count() < num_gpus:
         raise SpecError(fix(f"num_gpus={num_gpus} but {torch.cuda.device_count()} CUDA devices are visible.",
                             "lower num_gpus, or set CUDA_VISIBLE_DEVICES to expose more cards."))
-    from transformers import AutoTokenizer
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from interp_engine.backends.eager.runtime import EagerRuntime
@@ -40,7 +40,7 @@ def load(repo_id: str, source: str, config, selection: BackendSelection, hardwar
         near = difflib.get_close_matches(impl, ["eager", *ALL_ATTENTION_FUNCTIONS], n=1, cutoff=0.0)
         raise SpecError(fix(f"attn_implementation={impl!r} is not an attention implementation transformers knows.",
                             f"did you mean {near[0]!r}? attn_implementation=\"eager\" makes attn_probs readable."))
-    tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+    tokenizer = load_tokenizer(source, trust_remote_code=kwargs.get("trust_remote_code") is True, name=str(repo_id))
     narrowing = Q.eager_quantization_kwargs(quantization, selection.dtype, selection.device, num_gpus)
     runtime = EagerRuntime(
         source=source, arch=arch, dims=read_dims(config, arch), device=selection.device, dtype=selection.dtype,

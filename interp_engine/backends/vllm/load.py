@@ -13,6 +13,7 @@ from interp_engine.arch import arch_for, read_dims
 from interp_engine.backends.vllm.capabilities import for_handle
 from interp_engine.errors import BackendError, SpecError, fix
 from interp_engine.handle import ModelHandle
+from interp_engine.load_guards import load_tokenizer
 from interp_engine.selection import BackendSelection, Hardware, vllm_installed, vllm_support
 from interp_engine.taps import Taps
 
@@ -21,8 +22,6 @@ def load(repo_id: str, source: str, config, selection: BackendSelection, hardwar
          attn_implementation: str | None, requires_grad: bool, quantization: str | None, kv_cache_dtype: str | None,
          num_gpus: int, static_points: Any, static_writes: Any, gpu_memory_utilization: float | None,
          max_model_len: int | None, extra_vllm_kwargs: dict[str, Any] | None, kwargs: dict[str, Any]) -> ModelHandle:
-    from transformers import AutoTokenizer
-
     from interp_engine.loading import load_model
 
     backend = selection.backend
@@ -73,7 +72,7 @@ def load(repo_id: str, source: str, config, selection: BackendSelection, hardwar
                                      kv_cache_dtype=kv_cache_dtype)
     from interp_engine.backends.vllm.runtime import VllmRuntime
 
-    tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+    tokenizer = load_tokenizer(source, trust_remote_code=extra.get("trust_remote_code") is True, name=str(repo_id))
     runtime = VllmRuntime(source=source, name=str(repo_id), backend=backend, arch=arch, dims=dims,
                           dtype=selection.dtype, num_gpus=num_gpus, engine_kwargs=engine, tokenizer=tokenizer,
                           taps=taps)

@@ -1,0 +1,110 @@
+"""Positions as data: which positions of each prompt an op touches (all, last, indices, a slice, or one of these
+per prompt)."""
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from interp_engine.errors import SpecError, fix
+from interp_engine.tensor_data import MAX_INDEX, is_index, shown
+
+PositionKind = Literal["all", "last", "indices", "slice", "per_prompt"]
+
+
+@dataclass(frozen=True, slots=True)
+class Positions:
+    """Which positions an op touches. Negative indices count from the end of each prompt."""
+
+    kind: PositionKind = "all"
+    indices: tuple[int, ...] = ()
+    start: int | None = None
+    stop: int | None = None
+    step: int | None = None
+    per_prompt: tuple["Positions", ...] = ()
+
+    @classmethod
+    def of(cls, value: Any) -> "Positions":
+        if isinstance(value, Positions):
+            return value
+        if value is None or value == "all":
+            return ALL
+        if value == "last":
+            return LAST
+        if isinstance(value, bool):
+            raise SpecError(fix(f"positions={value!r} is ambiguous.", 'use "all", "last", an int, a list or a slice.'))
+        if isinstance(value, int):
+            return cls("indices", indices=(_position(value),))
+        if isinstance(value, slice):
+            parts = (value.start, value.stop, value.step)
+            if not all(p is None or (isinstance(p, int) and not isinstance(p, bool)) for p in parts):
+                raise SpecError(fix(f"positions slice {shown(value)} must hold ints or None.", "e.g. slice(2, None)."))
+            for p in parts:
+                if p is not None:
+                    _position(p)
+            if value.step is not None and value.step <= 0:
+                raise SpecError(fix(f"positions slice step must be positive, got {value.step}.", "use slice(a, b, 1)."))
+            return cls("slice", start=value.start, stop=value.stop, step=value.step)
+        if isinstance(value, torch.Tensor):
+            value = value.tolist()
+        if isinstance(value, Sequence) and not isinstance(value, str):
+            if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+                if not value:
+                    raise SpecError(fix("positions=[] selects nothing.", 'use "all", "last" or at least one index.'))
+                return cls("indices", indices=tuple(_position(v) for v in value))
+            value = [v.tolist() if isinstance(v, torch.Tensor) else v for v in value]
+            # Checked before reading the entries: a deeply nested list is refused at its second level, never
+            # recursed into (which would end in a RecursionError).
+            if any(_is_list(v) and not all(isinstance(x, int) and not isinstance(x, bool) for x in v) for v in value) \
+                    or any(isinstance(v, Positions) and v.kind == "per_prompt" for v in value):
+                raise SpecError(fix(f"positions {shown(value)} nest one list per prompt inside another.",
+                                    'give one entry per prompt, each "all", "last", an int, a list of ints or a slice.'))
+            return cls("per_prompt", per_prompt=tuple(cls.of(v) for v in value))
+        raise SpecError(fix(f"cannot read positions from {shown(value)}.",
+                            'use "all", "last", an int, a list of ints, a slice, or one of those per prompt.'))
+
+    def to_dict(self) -> Any:
+        if self.kind in ("all", "last"):
+            return self.kind
+        if self.kind == "indices":
+            return list(self.indices)
+        if self.kind == "slice":
+            return {"slice": [self.start, self.stop, self.step]}
+        return {"per_prompt": [p.to_dict() for p in self.per_prompt]}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "Positions":
+        if isinstance(d, Mapping):
+            if len(d) != 1 or not ({"slice", "per_prompt"} & set(d)):
+                raise SpecError(fix(f"positions {shown(d)} has keys {sorted(shown(k) for k in d)}; a positions dict "
+                                    'holds one key, "slice" or "per_prompt".',
+                                    'write {"slice": [start, stop, step]} or {"per_prompt": [...]}.'))
+            if "slice" in d:
+                if not isinstance(d["slice"], list) or len(d["slice"]) != 3:
+                    raise SpecError(fix(f"positions {shown(d)} is not a slice.",
+                                        'write {"slice": [start, stop, step]}.'))
+                return cls.of(slice(*d["slice"]))
+            entries = d["per_prompt"]
+            if not isinstance(entries, list) or any(isinstance(p, Mapping) and "per_prompt" in p for p in entries):
+                raise SpecError(fix(f"positions {shown(d)} is not one entry per prompt.",
+                                    'write {"per_prompt": [entry, ...]}, each entry "all", "last", an int, a list of '
+                                    'ints or a slice dict.'))
+            return cls.of([cls.from_dict(p) if isinstance(p, Mapping) else p for p in entries])
+        return cls.of(d)
+
+
+ALL = Positions("all")
+LAST = Positions("last")
+
+
+def _is_list(value: Any) -> bool:
+    return isinstance(value, Sequence) and not isinstance(value, str)
+
+
+def _position(value: int) -> int:
+    if not is_index(value):
+        raise SpecError(fix(f"position {shown(value)} is past any prompt: positions lie within +-{MAX_INDEX}.",
+                            "use an index within the prompt (negative counts from the end), or None in a slice "
+                            "for \"to the end\"."))
+    return value
