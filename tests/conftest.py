@@ -1,5 +1,6 @@
 """Tiny real models built once per session from real configs; the purity check that runs around every test."""
 
+import asyncio
 import warnings
 from contextlib import contextmanager
 
@@ -59,6 +60,16 @@ def eager(tiny_path):
         return _MODELS[key]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def served_llama(tiny_path):
+    """A live vLLM handle on the tiny Llama with a 64-token context, one per test module (vLLM holds one engine
+    per process); shut down at the module's end."""
+    model = load_model(str(tiny_path("llama")), backend="vllm", max_model_len=64)
+    asyncio.run(model.warmup())
+    yield model
+    asyncio.run(model.shutdown())
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,6 @@ conflicting ops at one point are not an error (they apply in spec order, so a la
 in one capture (even as resid_post.0 and resid_post.-3) is read once.
 """
 
-import asyncio
 import base64
 import contextlib
 import json
@@ -511,15 +510,6 @@ def test_folder_without_config_json(eager, tmp_path):
 
 # ------------------------------------------------------------------------------------------ backend="vllm"
 
-@pytest.fixture(scope="module")
-def served(tiny_path):
-    """A live vLLM handle with a 64-token context; shut down at the end of the module."""
-    model = load_model(str(tiny_path("llama")), backend="vllm", max_model_len=64)
-    asyncio.run(model.warmup())
-    yield model
-    asyncio.run(model.shutdown())
-
-
 def _engine_state(model) -> tuple[int, list[dict]]:
     """Requests the engine has been given so far, and the tables and hooks installed in its workers."""
     return model.runtime.llm.request_counter.counter, model.runtime.worker_status()
@@ -559,22 +549,28 @@ VLLM_REQUESTS = [
 
 @requires("vllm")
 @pytest.mark.parametrize("call, error, fragments", VLLM_REQUESTS)
-def test_bad_request_on_vllm_refused_before_any_request(served, call, error, fragments):
-    before = _engine_state(served)
+def test_bad_request_on_vllm_refused_before_any_request(served_llama, call, error, fragments):
+    assert_refused_on_vllm(served_llama, call, error, *fragments)
+
+
+def assert_refused_on_vllm(model, call, error: type, *fragments: str) -> None:
+    """`call(model)` raises `error`, a library error whose message has a Fix: line and every fragment, before
+    the engine saw any request or kept any table; the handle serves the next call."""
+    before = _engine_state(model)
     with pytest.raises(error) as info:
-        call(served)
+        call(model)
     message = str(info.value)
     assert isinstance(info.value, InterpEngineError) and "Fix:" in message, message
     for fragment in fragments:
         assert fragment in message, f"{fragment!r} not in:\n{message}"
-    assert _engine_state(served) == before, "the engine saw a request or kept a table"
-    assert capture(served, PROMPT, ["resid_post.0"], progress=False)["resid_post.0"].shape[-1] == 128
+    assert _engine_state(model) == before, "the engine saw a request or kept a table"
+    assert capture(model, PROMPT, ["resid_post.0"], progress=False)["resid_post.0"].shape[-1] == 128
 
 
 @requires("vllm")
-def test_the_longest_prompt_vllm_accepts_is_served(served):
+def test_the_longest_prompt_vllm_accepts_is_served(served_llama):
     # vLLM keeps one of max_model_len's positions for the token it predicts: 63 of 64 for a prompt.
-    cache = capture(served, [[1] * 63], ["resid_post.2"], progress=False)
+    cache = capture(served_llama, [[1] * 63], ["resid_post.2"], progress=False)
     assert cache["resid_post.2"].shape == (1, 63, 128)
 
 
@@ -589,7 +585,7 @@ def test_the_longest_prompt_vllm_accepts_is_served(served):
     ({"quantization": "bnb-8bit"}, BackendError, "use backend=\"eager\""),
     ({"attn_implementation": "eager"}, BackendError, "vLLM picks its own kernels"),
 ])
-def test_bad_vllm_load_refused_before_an_engine_starts(served, tiny_path, kwargs, error, fragment):
+def test_bad_vllm_load_refused_before_an_engine_starts(served_llama, tiny_path, kwargs, error, fragment):
     import psutil
 
     children = len(psutil.Process().children(recursive=True))
@@ -597,4 +593,4 @@ def test_bad_vllm_load_refused_before_an_engine_starts(served, tiny_path, kwargs
         load_model(str(tiny_path("llama")), backend="vllm", **kwargs)
     assert fragment in str(info.value) and "Fix:" in str(info.value), str(info.value)
     assert len(psutil.Process().children(recursive=True)) == children
-    assert served.runtime.is_alive()
+    assert served_llama.runtime.is_alive()

@@ -7,7 +7,6 @@ end" (None says that); seeds lie in 0..2**63-1; a spec tensor is float16, bfloat
 no CPU kernels for the NaN scan); token ids come only from integer tensors or lists of ints, never bools.
 """
 
-import asyncio
 import base64
 import builtins
 import json
@@ -19,13 +18,13 @@ import torch
 
 from interp_engine import Spec, capture, generate, load_model, steer
 from interp_engine import spec as S
-from interp_engine.errors import InputTypeError, InterpEngineError, LoadError, PointError, SpecError
+from interp_engine.errors import InputTypeError, LoadError, PointError, SpecError
 from interp_engine.load_guards import HEADROOM, check_fits
 from interp_engine.selection import BackendSelection
 from interp_engine.tiny import build_tiny_model
 from tests.conftest import spec_dict
 from tests.skips import requires
-from tests.test_bad_inputs import assert_refused
+from tests.test_bad_inputs import assert_refused, assert_refused_on_vllm
 
 PROMPT = "Hello, world! Tell me a story"
 BIG = 10**400  # what a JSON file can hold: json.loads reads up to 4300 digits
@@ -131,26 +130,10 @@ def test_hostile_input_refused_before_forward_on_eager(eager, call, error, fragm
     assert_refused(eager("llama"), call, error, *fragments)
 
 
-@pytest.fixture(scope="module")
-def served(tiny_path):
-    model = load_model(str(tiny_path("llama")), backend="vllm", max_model_len=64)
-    asyncio.run(model.warmup())
-    yield model
-    asyncio.run(model.shutdown())
-
-
 @requires("vllm")
 @pytest.mark.parametrize("call, error, fragments", HOSTILE)
-def test_hostile_input_refused_before_any_request_on_vllm(served, call, error, fragments):
-    before = served.runtime.llm.request_counter.counter
-    with pytest.raises(error) as info:
-        call(served)
-    message = str(info.value)
-    assert isinstance(info.value, InterpEngineError) and "Fix:" in message, message
-    for fragment in fragments:
-        assert fragment in message, f"{fragment!r} not in:\n{message}"
-    assert served.runtime.llm.request_counter.counter == before, "the engine saw a request"
-    assert capture(served, PROMPT, ["resid_post.0"], progress=False)["resid_post.0"].shape[-1] == 128
+def test_hostile_input_refused_before_any_request_on_vllm(served_llama, call, error, fragments):
+    assert_refused_on_vllm(served_llama, call, error, *fragments)
 
 
 def test_the_largest_legal_slice_stop_still_means_to_the_end(eager):

@@ -4,18 +4,16 @@ library's errors (InterpEngineError subclasses) or valid results come out (issue
 Examples per test: HOSTILE_EXAMPLES (eager and load_harvest, default 150) and HOSTILE_VLLM_EXAMPLES (default 25).
 """
 
-import asyncio
 import base64
 import json
 import math
 import os
 
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from interp_engine import Spec, capture, generate, load_harvest, load_model, steer
+from interp_engine import Spec, capture, generate, load_harvest, steer
 from interp_engine.errors import InterpEngineError
 from tests.skips import requires
 
@@ -150,20 +148,12 @@ def test_only_library_errors_come_out_on_eager(eager, data):
     _throw(eager("llama"), data)
 
 
-@pytest.fixture(scope="module")
-def served(tiny_path):
-    model = load_model(str(tiny_path("llama")), backend="vllm", max_model_len=64)
-    asyncio.run(model.warmup())
-    yield model
-    asyncio.run(model.shutdown())
-
-
 @requires("vllm")
 @settings(max_examples=VLLM_EXAMPLES, **SETTINGS)
 @given(data=st.data())
-def test_only_library_errors_come_out_on_vllm(served, data):
-    _throw(served, data)
-    assert served.runtime.is_alive()
+def test_only_library_errors_come_out_on_vllm(served_llama, data):
+    _throw(served_llama, data)
+    assert served_llama.runtime.is_alive()
 
 
 @settings(max_examples=EXAMPLES, **SETTINGS)
