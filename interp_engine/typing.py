@@ -41,16 +41,22 @@ def activation(axes: tuple[str, ...]) -> type:
     return _BY_AXES.get(tuple(axes)) or Float[Tensor, " ".join(axes)]
 
 
+@functools.lru_cache(maxsize=256)
+def meta(shape: tuple[int, ...]) -> Tensor:
+    """A storage-free tensor of `shape`, for binding sizes in a jaxtyping memo (made once per shape: creating one
+    costs more than the check it feeds)."""
+    return torch.empty(shape, device="meta")
+
+
 def bind_model(dims) -> None:
     """Bind MODEL_AXES to `dims` (an arch.Dims) in the current jaxtyping memo (inside `jaxtyped("context")` or
     a jaxtyped function), so that later checks in that memo hold each result to this model's sizes.
 
-    A meta tensor has a shape and no storage, so this costs one small allocation-free tensor per check.
+    A meta tensor has a shape and no storage; one per shape is kept, so a check allocates nothing.
     """
-    probe = torch.empty(tuple(getattr(dims, a) for a in MODEL_AXES), device="meta")
-    if not isinstance(probe, _MODEL):  # only fails if the memo already disagrees with the model
+    if not isinstance(meta(tuple(getattr(dims, a) for a in MODEL_AXES)), _MODEL):  # only fails if the memo already disagrees with the model
         raise ValueError(f"internal: the shape memo already holds sizes other than this model's {dims}")
 
 
 __all__ = ["Axis", "AXES", "MODEL_AXES", "Tokens", "Resid", "Heads", "KVHeads", "Pattern", "MLPAct", "Logits",
-           "LogProbs", "Scalar", "Vector", "activation", "bind_model"]
+           "LogProbs", "Scalar", "Vector", "activation", "bind_model", "meta"]

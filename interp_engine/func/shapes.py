@@ -13,14 +13,13 @@ import types
 import typing
 from collections.abc import Callable
 
-import torch
 from beartype.door import is_bearable
 from jaxtyping import Shaped, jaxtyped
 from torch import Tensor
 
 from interp_engine.cache import Cache
 from interp_engine.errors import ResultTypeError, fix
-from interp_engine.typing import activation, bind_model
+from interp_engine.typing import activation, bind_model, meta
 
 _BATCH = Shaped[Tensor, "batch"]
 
@@ -40,6 +39,8 @@ def checked_result(function: Callable) -> Callable:
 
 def check_result(value, hint, model, *, what: str) -> None:
     """Raise ResultTypeError unless `value` is a `hint` for `model` (a ModelHandle)."""
+    if hint is Cache:  # it binds a memo of its own
+        return _check_cache(value, model, what)
     with jaxtyped("context"):
         bind_model(model.dims)
         _check(value, hint, model, what)
@@ -80,7 +81,7 @@ def _check_cache(cache, model, what: str) -> None:
         _refuse(what, f"a {type(cache).__name__}", "Cache", "wrong type", model)
     with jaxtyped("context"):
         bind_model(model.dims)
-        isinstance(torch.empty(len(cache.lengths), device="meta"), _BATCH)
+        isinstance(meta((len(cache.lengths),)), _BATCH)
         verified = set()
         for address, t in cache.tensors.items():
             hint = activation(address.info.axes)
