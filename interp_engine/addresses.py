@@ -136,7 +136,7 @@ class Address:
                 f"{self} does not exist in {model_name!r}: it has {n_layers} layers (0..{n_layers - 1}).",
                 f"use {self.point}.{n_layers - 1}, or count from the end with Address({self.point!r}, -1).",
             ))
-        return Address(self.point, layer)
+        return self if layer == self.layer else Address(self.point, layer)
 
     def __str__(self) -> str:
         return self.point if self.layer is None else f"{self.point}.{self.layer}"

@@ -77,9 +77,22 @@ def eager_pattern(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None
         scores = scores + additive
     # Masked entries stay finite inside the forward (an all-masked padding row must not turn into NaN and leak
     # through probs @ v); readers see them as -inf. Edits cannot unmask a key: causality is not editable.
-    edited = touch_scores(scores, lambda s: s.masked_fill(masked, float("-inf")))
+    # Unedited, the record is this function's own scores tensor, given its -inf once the softmax has read it: a
+    # copy per layer would cost as much as the softmax at 16x128 (a [batch, heads, q, k] pass, as many fresh
+    # pages). An edited value may be a view of the caller's tensor (a broadcast Set), so it is copied.
+    fresh, recorded = scores, []
+
+    def present(s: Tensor) -> Tensor:
+        if s is fresh:
+            recorded.append(s)
+            return s
+        return s.masked_fill(masked, float("-inf"))
+
+    edited = touch_scores(scores, present)
     scores = edited if edited is scores else edited.masked_fill(masked, low)
     probs = torch.nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    for s in recorded:  # nothing below reads the scores (softmax keeps its output for backward, not its input)
+        s.masked_fill_(masked, float("-inf"))
     probs = touch_probs(probs)
     out = torch.matmul(probs, v).transpose(1, 2).contiguous()
     return out, probs

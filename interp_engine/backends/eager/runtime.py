@@ -16,7 +16,7 @@ from interp_engine.backends.base import TokenizerRuntime
 from interp_engine.backends.eager import attention
 from interp_engine.backends.eager.capabilities import for_handle
 from interp_engine.edits import Step
-from interp_engine.backends.eager.sites import Run, installed
+from interp_engine.backends.eager.sites import Layout, Run, installed
 from interp_engine.errors import LoadError, fix
 from interp_engine.inputs import Prompts
 from interp_engine.validate import Plan
@@ -34,6 +34,7 @@ class EagerRuntime(TokenizerRuntime):
         self.num_gpus, self.hf_kwargs, self.tokenizer = num_gpus, dict(hf_kwargs), tokenizer
         self.capabilities = for_handle(attn_implementation)
         self.model: torch.nn.Module | None = None
+        self.layout: Layout | None = None
         self._lock = threading.Lock()
         # Hooks live on the shared modules while a call runs, so calls on one handle take turns.
         self._busy = threading.RLock()
@@ -64,12 +65,13 @@ class EagerRuntime(TokenizerRuntime):
                 model.eval()
                 model.requires_grad_(False)
                 model.set_attn_implementation(attention.register(self.attn_implementation))
+                self.layout = Layout.of(model, self.arch, self.dims.n_layers)
                 self.model = model
             return self.model
 
     def unload(self) -> None:
         with self._lock:
-            self.model = None
+            self.model, self.layout = None, None
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -82,7 +84,8 @@ class EagerRuntime(TokenizerRuntime):
             # Nobody reads or edits logits at every position: project only the last one (the full
             # [batch, pos, d_vocab] tensor would cost more than the whole model for a large vocabulary).
             model_kwargs.setdefault("logits_to_keep", 1)
-        with installed(model, self.arch, run, self.dims.n_layers):
+        layout = self.layout if self.model is model else None  # unloaded meanwhile: this model's own
+        with installed(layout or Layout.of(model, self.arch, self.dims.n_layers), run):
             out = model(input_ids=ids.to(self.device), **model_kwargs)
         return run.touch(LOGITS, out.logits) if run.wants(LOGITS) else out.logits
 
@@ -100,8 +103,11 @@ class EagerRuntime(TokenizerRuntime):
                 step = _step(ids, lengths, rows)
                 run = Run(plan.ops, reads)
                 logits = self._forward(ids, step, run, use_cache=False)
+                # A chunk without padding (the common case) keeps each record as recorded: no pass over any of them.
+                ragged = not bool(step.valid.all())
                 for address, parts in record_parts.items():
-                    parts.append(_pad(_zero_padding(run.records[address][0], step, address), width, address))
+                    seen = run.records[address][0]
+                    parts.append(_pad(_zero_padding(seen, step, address) if ragged else seen, width, address))
                 if want_logits:
                     logits_parts.append(_pad(_zero_padding(logits, step, LOGITS), width, LOGITS))
         records = {a: p[0] if len(p) == 1 else torch.cat(p) for a, p in record_parts.items()}

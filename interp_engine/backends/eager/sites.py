@@ -4,11 +4,12 @@ A `Run` holds the call's ops per address, the addresses to record, optional zero
 what was recorded. `installed()` registers only the hooks the run needs and removes them in `finally`.
 """
 
+import functools
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
-from einops import rearrange
 from torch import Tensor
 
 from interp_engine.addresses import Address
@@ -17,9 +18,18 @@ from interp_engine.backends.eager.attention import SITE_KW, eager_pattern
 from interp_engine.edits import Step, apply
 
 EMBED, FINAL = Address("embed"), Address("final")
-# HF attention holds q, k, v head-major; our points present them position-major (typing.Heads / KVHeads).
-_TO_POINT = "batch heads pos d_head -> batch pos heads d_head"
-_TO_HF = "batch pos heads d_head -> batch heads pos d_head"
+
+
+def _swap(t: Tensor) -> Tensor:
+    """HF attention holds q, k, v head-major; our points present them position-major (typing.Heads / KVHeads).
+    The same view both ways; a plain transpose, as einops would make it, without its per-call parsing."""
+    return t.transpose(1, 2)
+
+
+@functools.cache
+def _at(point: str, layer: int | None) -> Address:
+    # Hooks are installed per call for every layer; an Address validates itself when built, so build each once.
+    return Address(point, layer)
 
 
 class Run:
@@ -33,9 +43,12 @@ class Run:
         self.records: dict[Address, list[Tensor]] = {}
         self.stash: dict[int, Tensor] = {}
         self.step: Step | None = None
+        self.wanted = frozenset(ops) | reads | frozenset(self.deltas)
+        # Layers with nothing to read, edit or differentiate get no hook at all.
+        self.layers = frozenset(a.layer for a in self.wanted if a.layer is not None)
 
     def wants(self, address: Address) -> bool:
-        return address in self.ops or address in self.reads or address in self.deltas
+        return address in self.wanted
 
     def touch(self, address: Address, x: Tensor, present=None) -> Tensor:
         """Apply this address's edits in spec order, add its delta, record it. Returns x itself if untouched."""
@@ -54,29 +67,29 @@ class AttentionSite:
 
     def __init__(self, run: Run, layer: int):
         self.run, self.layer = run, layer
+        self.q, self.k, self.v, self.z, self.scores, self.probs = (
+            _at(p, layer) for p in ("q", "k", "v", "z", "attn_scores", "attn_probs"))
 
-    def _kv(self, name: str, t: Tensor, q_len: int) -> Tensor:
-        address = Address(name, self.layer)
+    def _kv(self, address: Address, t: Tensor, q_len: int) -> Tensor:
         if not self.run.wants(address):
             return t
-        current = rearrange(t[:, :, -q_len:], _TO_POINT)
+        current = _swap(t[:, :, -q_len:])
         edited = self.run.touch(address, current)
         if edited is current:
             return t
-        edited = rearrange(edited, _TO_HF)
+        edited = _swap(edited)
         if self.run.step.kv_in_place:  # t is the KV cache's own tensor: later steps must see the edit
             t[:, :, -q_len:] = edited
             return t
         return torch.cat([t[:, :, :-q_len], edited], dim=2) if t.shape[2] > q_len else edited
 
     def attend(self, base, module, query, key, value, attention_mask, **kwargs):
-        run, layer = self.run, self.layer
-        q_address = Address("q", layer)
-        if run.wants(q_address):
-            query = rearrange(run.touch(q_address, rearrange(query, _TO_POINT)), _TO_HF)
-        key = self._kv("k", key, query.shape[2])
-        value = self._kv("v", value, query.shape[2])
-        scores, probs = Address("attn_scores", layer), Address("attn_probs", layer)
+        run = self.run
+        if run.wants(self.q):
+            query = _swap(run.touch(self.q, _swap(query)))
+        key = self._kv(self.k, key, query.shape[2])
+        value = self._kv(self.v, value, query.shape[2])
+        scores, probs = self.scores, self.probs
         if run.wants(scores) or run.wants(probs):
             out, weights = eager_pattern(
                 query, key, value, attention_mask, scaling=kwargs.get("scaling"), softcap=kwargs.get("softcap"),
@@ -85,7 +98,7 @@ class AttentionSite:
             )
         else:
             out, weights = base(module, query, key, value, attention_mask, **kwargs)
-        return run.touch(Address("z", layer), out), weights
+        return run.touch(self.z, out), weights
 
 
 def _first(value):
@@ -96,16 +109,46 @@ def _with_first(value, x):
     return (x, *value[1:]) if isinstance(value, tuple) else x
 
 
+@dataclass(frozen=True, slots=True)
+class Block:
+    """The modules of one decoder layer that hooks go on."""
+
+    layer: torch.nn.Module
+    attention: torch.nn.Module
+    attn_out: torch.nn.Module
+    mlp_down: torch.nn.Module
+    mlp_out: torch.nn.Module
+    mid_norm: torch.nn.Module | None  # None: a parallel block, whose resid_mid is realised through attn_out
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Where an Arch's points sit in one loaded model. Looked up once at load: walking the dotted module paths
+    for every layer on every call cost more than installing the hooks themselves."""
+
+    blocks: tuple[Block, ...]
+    final_norm: torch.nn.Module
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, arch: Arch, n_layers: int) -> "Layout":
+        layers = model.get_submodule(arch.layers)
+        blocks = tuple(Block(layer, layer.get_submodule(arch.attention), layer.get_submodule(arch.attn_out),
+                             layer.get_submodule(arch.mlp_down), layer.get_submodule(arch.mlp_out),
+                             layer.get_submodule(arch.mid_norm) if arch.mid_norm is not None else None)
+                       for layer in (layers[i] for i in range(n_layers)))
+        return cls(blocks, model.get_submodule(arch.final_norm))
+
+
 @contextmanager
-def installed(model: torch.nn.Module, arch: Arch, run: Run, n_layers: int) -> Iterator[None]:
+def installed(layout: Layout, run: Run) -> Iterator[None]:
     """Register exactly the hooks `run` needs; remove every one of them on the way out."""
     handles = []
-    layers = model.get_submodule(arch.layers)
     try:
-        for layer_index in range(n_layers):
-            handles += _layer_hooks(layers[layer_index], layer_index, arch, run)
+        for i, block in enumerate(layout.blocks):
+            if i in run.layers or (i == 0 and run.wants(EMBED)):
+                handles += _layer_hooks(block, i, run)
         if run.wants(FINAL):
-            handles.append(model.get_submodule(arch.final_norm).register_forward_hook(
+            handles.append(layout.final_norm.register_forward_hook(
                 lambda m, a, out: _with_first(out, run.touch(FINAL, _first(out)))))
         yield
     finally:
@@ -113,19 +156,21 @@ def installed(model: torch.nn.Module, arch: Arch, run: Run, n_layers: int) -> It
             h.remove()
 
 
-def _layer_hooks(layer: torch.nn.Module, i: int, arch: Arch, run: Run) -> list:
-    at = lambda point: Address(point, i)  # noqa: E731
+def _layer_hooks(block: Block, i: int, run: Run) -> list:
+    layer = block.layer
+    resid_pre, attn_out_at, resid_mid, mlp_act, mlp_out_at, resid_post = (
+        _at(p, i) for p in ("resid_pre", "attn_out", "resid_mid", "mlp_act", "mlp_out", "resid_post"))
     handles = []
-    needs_mid = run.wants(at("resid_mid"))
+    needs_mid = run.wants(resid_mid)
     # Parallel blocks have no resid_mid in the forward: it is realised through attn_out (resid_pre + attn_out).
-    mid_via_attn = needs_mid and arch.mid_norm is None
+    mid_via_attn = needs_mid and block.mid_norm is None
 
-    if run.wants(at("resid_pre")) or mid_via_attn or (i == 0 and run.wants(EMBED)):
+    if run.wants(resid_pre) or mid_via_attn or (i == 0 and run.wants(EMBED)):
         def layer_in(module, args, kwargs):
             x = args[0] if args else kwargs["hidden_states"]
             if i == 0:
                 x = run.touch(EMBED, x)
-            x = run.touch(at("resid_pre"), x)
+            x = run.touch(resid_pre, x)
             if mid_via_attn:
                 run.stash[i] = x
             if args:
@@ -133,46 +178,46 @@ def _layer_hooks(layer: torch.nn.Module, i: int, arch: Arch, run: Run) -> list:
             return args, {**kwargs, "hidden_states": x}
         handles.append(layer.register_forward_pre_hook(layer_in, with_kwargs=True))
 
-    if any(run.wants(at(p)) for p in ("q", "k", "v", "z", "attn_scores", "attn_probs")):
+    if any(run.wants(_at(p, i)) for p in ("q", "k", "v", "z", "attn_scores", "attn_probs")):
         site = AttentionSite(run, i)
-        handles.append(layer.get_submodule(arch.attention).register_forward_pre_hook(
+        handles.append(block.attention.register_forward_pre_hook(
             lambda m, args, kwargs: (args, {**kwargs, SITE_KW: site}), with_kwargs=True))
 
-    if run.wants(at("attn_out")) or mid_via_attn:
+    if run.wants(attn_out_at) or mid_via_attn:
         def attn_out(module, args, out):
-            a = run.touch(at("attn_out"), _first(out))
+            a = run.touch(attn_out_at, _first(out))
             if mid_via_attn:
                 r = run.stash[i] + a
-                edited = run.touch(at("resid_mid"), r)
+                edited = run.touch(resid_mid, r)
                 if edited is not r:  # realised through attn_out: the block adds exactly this to the residual
                     a = a + (edited - r)
             return _with_first(out, a)
-        handles.append(layer.get_submodule(arch.attn_out).register_forward_hook(attn_out))
+        handles.append(block.attn_out.register_forward_hook(attn_out))
 
-    if run.wants(at("mlp_act")):
+    if run.wants(mlp_act):
         def mlp_in(module, args):
-            return (run.touch(at("mlp_act"), args[0]), *args[1:])
-        handles.append(layer.get_submodule(arch.mlp_down).register_forward_pre_hook(mlp_in))
+            return (run.touch(mlp_act, args[0]), *args[1:])
+        handles.append(block.mlp_down.register_forward_pre_hook(mlp_in))
 
-    if run.wants(at("mlp_out")):
-        handles.append(layer.get_submodule(arch.mlp_out).register_forward_hook(
-            lambda m, a, out: _with_first(out, run.touch(at("mlp_out"), _first(out)))))
+    if run.wants(mlp_out_at):
+        handles.append(block.mlp_out.register_forward_hook(
+            lambda m, a, out: _with_first(out, run.touch(mlp_out_at, _first(out)))))
 
     if needs_mid and not mid_via_attn:
-        handles += _mid_hooks(layer, i, arch, run)
+        handles += _mid_hooks(block, i, run)
 
-    if run.wants(at("resid_post")):
+    if run.wants(resid_post):
         handles.append(layer.register_forward_hook(
-            lambda m, a, out: _with_first(out, run.touch(at("resid_post"), _first(out)))))
+            lambda m, a, out: _with_first(out, run.touch(resid_post, _first(out)))))
     return handles
 
 
-def _mid_hooks(layer: torch.nn.Module, i: int, arch: Arch, run: Run) -> list:
+def _mid_hooks(block: Block, i: int, run: Run) -> list:
     """resid_mid of a sequential block, read at the input of the MLP's norm. HF adds it to the MLP's output from a
     local variable no hook reaches, so an edit is carried to the block's output by redoing that one addition
     with the edited value: exact, where shifting attn_out by (edited - r) would leave rounding that a norm of
     a zeroed stream scales up a thousandfold."""
-    at = Address("resid_mid", i)
+    at = _at("resid_mid", i)
     edited: dict[str, Tensor] = {}
 
     def mid_in(module, args):
@@ -193,6 +238,6 @@ def _mid_hooks(layer: torch.nn.Module, i: int, arch: Arch, run: Run) -> list:
             return None
         return _with_first(out, edited.pop("mid") + edited.pop("mlp"))
 
-    return [layer.get_submodule(arch.mid_norm).register_forward_pre_hook(mid_in),
-            layer.get_submodule(arch.mlp_out).register_forward_hook(mlp_out),
-            layer.register_forward_hook(block_out)]
+    return [block.mid_norm.register_forward_pre_hook(mid_in),
+            block.mlp_out.register_forward_hook(mlp_out),
+            block.layer.register_forward_hook(block_out)]
