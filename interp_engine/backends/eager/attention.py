@@ -7,6 +7,7 @@ the attention module and removed with it) gets q/k/v/z and, when asked, recomput
 attn_scores and attn_probs can be read and written.
 """
 
+import functools
 import sys
 
 import torch
@@ -19,9 +20,11 @@ def name_for(impl: str) -> str:
     return f"interp_engine_{impl}"
 
 
-def _base(module, impl: str):
+@functools.cache
+def _base(module_type: type, impl: str):
+    # Called for every layer of every forward; the answer depends only on the attention class.
     if impl == "eager":
-        return getattr(sys.modules[type(module).__module__], "eager_attention_forward")
+        return getattr(sys.modules[module_type.__module__], "eager_attention_forward")
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     return ALL_ATTENTION_FUNCTIONS[impl]
@@ -30,7 +33,7 @@ def _base(module, impl: str):
 def _make(impl: str):
     def attention(module, query, key, value, attention_mask, **kwargs):
         site = kwargs.pop(SITE_KW, None)
-        base = _base(module, impl)
+        base = _base(type(module), impl)
         if site is None:
             return base(module, query, key, value, attention_mask, **kwargs)
         return site.attend(base, module, query, key, value, attention_mask, **kwargs)
