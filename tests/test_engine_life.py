@@ -7,8 +7,8 @@ printed (`pytest -s`) and quoted in the README's Reliability section.
 
 import asyncio
 import os
+import queue
 import random
-import select
 import signal
 import subprocess
 import sys
@@ -137,57 +137,70 @@ def test_shutdown_under_running_calls_fails_them_promptly_and_starts_no_engine(t
     _shut(model, before)  # a call made after shutdown() loads afresh (documented), and shuts down again
 
 
-def _driver(mode: str, folder, *args) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tests.engine_driver", mode, str(folder), *map(str, args)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
+WORDS = {"pids", "go", "ok", "bad", "closed"}  # the driver's own lines; vLLM logs to the same stdout
 
 
-def _line(process: subprocess.Popen, timeout: float = 120.0) -> list[str]:
-    ready, _, _ = select.select([process.stdout], [], [], timeout)
-    assert ready, f"the driver said nothing for {timeout} s"
-    line = process.stdout.readline()
-    assert line, f"the driver exited ({process.wait(10)})"
-    return line.split()
+class _Driver:
+    """tests/engine_driver.py in a subprocess, its protocol lines read by a thread (a select() on the pipe
+    would miss lines already in the reader's buffer)."""
 
+    def __init__(self, mode: str, folder, *args):
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tests.engine_driver", mode, str(folder), *map(str, args)], cwd=ROOT,
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
 
-def _pids(process: subprocess.Popen) -> list[psutil.Process]:
-    while (words := _line(process))[0] != "pids":
-        pass
-    return [psutil.Process(int(pid)) for pid in words[1:]]
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            if line.split()[:1] and line.split()[0] in WORDS:
+                self.lines.put(line.split())
+        self.lines.put(["exited"])
+
+    def line(self, timeout: float = 300.0) -> list[str]:
+        try:
+            return self.lines.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"the driver said nothing for {timeout} s") from None
+
+    def pids(self) -> list[psutil.Process]:
+        words = self.line()
+        assert words[0] == "pids", words
+        return [psutil.Process(int(pid)) for pid in words[1:]]
 
 
 @requires("vllm")
 def test_the_engine_dies_with_its_driver_on_sigkill(tiny_path):
-    driver = _driver("idle", tiny_path("llama"))
+    driver = _Driver("idle", tiny_path("llama"))
     try:
-        engine = _pids(driver)
+        engine = driver.pids()
         assert engine
-        driver.kill()
-        driver.wait(10)
+        driver.process.kill()
+        driver.process.wait(10)
         killed = time.monotonic()
         _, alive = psutil.wait_procs(engine, timeout=ORPHANS_GONE_S)
         print(f"\n[life] driver SIGKILLed: its {len(engine)} engine processes gone in "
               f"{time.monotonic() - killed:.2f} s")
         assert not alive, f"engine processes outlived their driver by {ORPHANS_GONE_S} s: {alive}"
     finally:
-        driver.kill()
+        driver.process.kill()
 
 
 @requires("vllm")
 def test_ctrl_c_at_random_moments_never_corrupts_the_engine(tiny_path):
     interrupts = 20
-    driver = _driver("interrupts", tiny_path("llama"), interrupts)
+    driver = _Driver("interrupts", tiny_path("llama"), interrupts)
     rng = random.Random(19)
     try:
-        engine = _pids(driver)
+        engine = driver.pids()
         for i in range(interrupts):
-            assert _line(driver) == ["go", str(i)]
+            assert driver.line() == ["go", str(i)]
             time.sleep(rng.uniform(0.0, 0.4))
-            os.kill(driver.pid, signal.SIGINT)
-            assert _line(driver, timeout=60) == ["ok", str(i)], f"after interrupt {i}, the next call differed"
-        assert _line(driver) == ["closed"]
-        assert driver.wait(60) == 0
+            os.kill(driver.process.pid, signal.SIGINT)
+            assert driver.line(timeout=120) == ["ok", str(i)], f"after interrupt {i}, the next call differed"
+        assert driver.line() == ["closed"]
+        assert driver.process.wait(60) == 0
         _, alive = psutil.wait_procs(engine, timeout=5)
         assert not alive, f"processes left after shutdown(): {alive}"
     finally:
-        driver.kill()
+        driver.process.kill()
