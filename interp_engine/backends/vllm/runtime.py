@@ -25,7 +25,7 @@ from interp_engine.backends.vllm import compat, engine, wire
 from interp_engine.backends.vllm.capabilities import for_handle
 from interp_engine.backends.vllm.compat import resource_tracker_pid
 from interp_engine.backends.vllm.life import EngineLife, shut_down_error
-from interp_engine.backends.vllm.procs import close_children, environ
+from interp_engine.backends.vllm.procs import close_children, environ, running
 from interp_engine.backends.vllm.wire import assemble, flatten
 from interp_engine.errors import BackendError, LoadError, fix
 from interp_engine.inputs import Prompts
@@ -156,7 +156,7 @@ class VllmRuntime(TokenizerRuntime):
             if method == wire.RELEASE and (life is None or life.fault is not None):
                 return []  # a shut down or dead engine holds no tables; the call's error is on its way
             if life is None:
-                raise self._shut_down()
+                raise shut_down_error(self.name)
         else:
             life = self._attach(wire.table_call(args[0]) if method == wire.INSTALL else None)
         with self._engine_lock, self._watched(life):
@@ -167,13 +167,10 @@ class VllmRuntime(TokenizerRuntime):
         self.load()
         life = self._life
         if life is None:  # shutdown() came between the load and here
-            raise self._shut_down()
+            raise shut_down_error(self.name)
         if call is not None:
             self._calls[call] = life
         return life
-
-    def _shut_down(self) -> BackendError:
-        return shut_down_error(self.name)
 
     def forward(self, prompts: Prompts, plan: Plan, **kwargs) -> tuple[Tensor | None, dict[Address, Tensor]]:
         return self._prefill(prompts, plan, **kwargs)
@@ -373,7 +370,7 @@ class VllmRuntime(TokenizerRuntime):
         life = self._life
         if life is None or life.fault is not None:
             return False
-        return not compat.is_engine_dead(life.llm)
+        return not compat.is_engine_dead(life.llm) and running(life.procs)
 
     def _watched(self, life: EngineLife):
         """Around a blocking engine call: the engine's watchdog wakes it if the engine faults, and the
