@@ -94,7 +94,9 @@ def guard_sends(llm, lock, refuse: Callable[[], None]) -> None:
     from interp_engine.backends.vllm.procs import deferred_interrupt
 
     core = _core(llm)
-    send = core._send_input
+    send = getattr(core, "_send_input", None)
+    if send is None:  # an in-process engine core (no socket): nothing to cut in half, no protocol to probe
+        return
 
     def send_input(request_type, request):
         with lock, deferred_interrupt():
@@ -106,12 +108,15 @@ def guard_sends(llm, lock, refuse: Callable[[], None]) -> None:
 
 def probe(llm):
     """Ask the engine core a trivial question (`is_sleeping`, answered by its busy loop between steps) without
-    waiting: the Future is answered only if the core's input and output paths both work."""
+    waiting: the Future is answered only if the core's input and output paths both work (None: an in-process
+    core, nothing to probe)."""
     from concurrent.futures import Future
 
     from vllm.v1.engine import EngineCoreRequestType
 
     core = _core(llm)
+    if not hasattr(core, "_send_input"):
+        return None
     call_id = uuid.uuid1().int >> 64
     future: Future = Future()
     core.utility_results[call_id] = future

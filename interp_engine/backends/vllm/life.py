@@ -31,6 +31,7 @@ IDLE_CPU_S = 1.0  # CPU seconds the engine's processes may use over PROTOCOL_S a
 #                   step keeps them busy (it is waited out, however long), a dead input loop leaves them idle
 
 DIED, STOPPED, PROTOCOL, SHUT = "died", "stopped", "protocol", "shut down"
+_NONE = object()  # no probe possible (an in-process engine core)
 
 
 class EngineLife:
@@ -141,11 +142,12 @@ class EngineLife:
                     stopped_since = now
                 if busy and stopped_since is not None and now - stopped_since >= STOPPED_S:
                     return self.fail(STOPPED)
-                if probe is not None and probe.done():
+                if probe is not None and (probe is _NONE or probe.done()):
                     probe, last_probe = None, now
                 if probe is None and busy and stopped_since is None and now - last_probe >= PROBE_EVERY_S:
                     with contextlib.suppress(Exception):  # a closed client: the next tick sees why
-                        probe, probe_sent, probe_cpu = compat.probe(self.llm), now, cpu_seconds(self.procs)
+                        probe = compat.probe(self.llm) or _NONE
+                        probe_sent, probe_cpu = now, cpu_seconds(self.procs)
                 elif probe is not None and now - probe_sent >= PROTOCOL_S:
                     cpu = cpu_seconds(self.procs)
                     if busy and cpu - probe_cpu < IDLE_CPU_S:
