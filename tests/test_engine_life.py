@@ -188,7 +188,7 @@ def test_the_engine_dies_with_its_driver_on_sigkill(tiny_path):
 
 @requires("vllm")
 def test_ctrl_c_at_random_moments_never_corrupts_the_engine(tiny_path):
-    interrupts = 20
+    interrupts = 40
     driver = _Driver("interrupts", tiny_path("llama"), interrupts)
     rng = random.Random(19)
     try:
@@ -204,3 +204,38 @@ def test_ctrl_c_at_random_moments_never_corrupts_the_engine(tiny_path):
         assert not alive, f"processes left after shutdown(): {alive}"
     finally:
         driver.process.kill()
+
+
+def test_ctrl_c_inside_a_send_is_held_back_until_the_send_is_out():
+    """What keeps a message to the engine whole (compat.guard_sends), with a real SIGINT at a set moment."""
+    from interp_engine.backends.vllm.procs import deferred_interrupt
+
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with deferred_interrupt():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # the handler would have run by now
+            done.append("the whole send")
+    assert done == ["the whole send"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+    seen = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))
+    try:
+        with deferred_interrupt():  # a caller's own handler is held back too, then called once
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+            assert seen == []
+        assert seen == [signal.SIGINT]
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+    def off_main():  # Python runs handlers on the main thread only: off it there is nothing to hold back
+        with deferred_interrupt():
+            result.append(signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+
+    result: list = []
+    worker = threading.Thread(target=off_main)
+    worker.start()
+    worker.join()
+    assert result == [True]
