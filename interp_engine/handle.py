@@ -55,7 +55,8 @@ class ModelHandle:
         return self
 
     async def shutdown(self) -> None:
-        """Free the weights; the handle loads again lazily if used afterwards."""
+        """Free the weights; the handle loads again lazily if used afterwards. On vLLM, calls still running on
+        it end at once with a BackendError (they never load the model again)."""
         await asyncio.to_thread(self.runtime.unload)
 
     def points(self) -> tuple[Address, ...]:

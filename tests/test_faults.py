@@ -19,8 +19,8 @@ from interp_engine.backends.vllm.runtime import resource_tracker_pid
 from tests.conftest import PROMPTS, assert_pure
 from tests.skips import requires
 
-# A dead engine must be reported within this many seconds of the kill. The watchdog polls every 0.5 s; the
-# rest is slack for a loaded 2-core CI machine. Measured here: 0.2-0.6 s.
+# A dead engine must be reported within this many seconds of the kill. The watchdog sees an exit at once (its
+# pidfd); the rest is slack for a loaded 2-core CI machine. Measured here: 0.05-0.6 s.
 ERROR_WITHIN_S = 30.0
 LONG = [" ".join([p] * 4) for p in PROMPTS] * 16  # 48 prompts of 30-60 tokens: each capture takes a while
 

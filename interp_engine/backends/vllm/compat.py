@@ -8,6 +8,7 @@ imports vLLM).
 
 import contextlib
 import os
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -82,6 +83,45 @@ def fail_waiters(llm) -> None:
     outputs = getattr(core, "outputs_queue", None)
     if outputs is not None:
         outputs.put_nowait(EngineDeadError())
+
+
+def guard_sends(llm, lock, refuse: Callable[[], None]) -> None:
+    """Make every message the driver sends to the engine core atomic: one at a time (`lock`, shared with the
+    watchdog's probes), never cut by Ctrl-C (a KeyboardInterrupt inside zmq's multipart send leaves half a
+    message, and the next message's frames complete it: the core's input thread dies decoding it and every
+    later call waits forever), and refused by `refuse()` once the engine is faulted or shut down. Requests,
+    aborts (vLLM's own included) and RPCs all pass through the client's `_send_input`."""
+    from interp_engine.backends.vllm.procs import deferred_interrupt
+
+    core = _core(llm)
+    send = getattr(core, "_send_input", None)
+    if send is None:  # an in-process engine core (no socket): nothing to cut in half, no protocol to probe
+        return
+
+    def send_input(request_type, request):
+        with lock, deferred_interrupt():
+            refuse()
+            send(request_type, request)
+
+    core._send_input = send_input
+
+
+def probe(llm):
+    """Ask the engine core a trivial question (`is_sleeping`, answered by its busy loop between steps) without
+    waiting: the Future is answered only if the core's input and output paths both work (None: an in-process
+    core, nothing to probe)."""
+    from concurrent.futures import Future
+
+    from vllm.v1.engine import EngineCoreRequestType
+
+    core = _core(llm)
+    if not hasattr(core, "_send_input"):
+        return None
+    call_id = uuid.uuid1().int >> 64
+    future: Future = Future()
+    core.utility_results[call_id] = future
+    core._send_input(EngineCoreRequestType.UTILITY, (0, call_id, "is_sleeping", ()))
+    return future
 
 
 def add_request(llm, request_id: str, prompt, params) -> None:

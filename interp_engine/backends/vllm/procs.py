@@ -1,7 +1,10 @@
-"""The engine's processes and environment, seen from the driver: liveness, reaping, scoped variables."""
+"""The engine's processes and environment, seen from the driver: liveness, reaping, scoped variables, and
+Ctrl-C held back around what must not be cut in half."""
 
 import contextlib
 import os
+import signal
+import threading
 
 
 def running(processes: list) -> bool:
@@ -45,3 +48,55 @@ def environ(values: dict[str, str]):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def stopped(processes: list) -> list:
+    """Those of these processes that are stopped (SIGSTOP, SIGTSTP): alive, but they will never answer."""
+    import psutil
+
+    out = []
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            if process.status() == psutil.STATUS_STOPPED:
+                out.append(process)
+    return out
+
+
+def cpu_seconds(processes: list) -> float:
+    """CPU time used so far by these processes (user + system; gone ones count 0)."""
+    import psutil
+
+    total = 0.0
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            times = process.cpu_times()
+            total += times.user + times.system
+    return total
+
+
+@contextlib.contextmanager
+def deferred_interrupt():
+    """Hold back SIGINT for the block and deliver it right after. Python runs signal handlers on the main
+    thread only, between bytecodes: swapping the handler is what keeps a KeyboardInterrupt out of the block (a
+    blocked signal mask would not: the kernel hands the signal to another thread and the main thread's handler
+    still runs mid-block). Elsewhere (another thread, SIG_IGN or SIG_DFL, an outer deferral) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    handler = signal.getsignal(signal.SIGINT)
+    if not callable(handler) or getattr(handler, "deferring", False):
+        yield
+        return
+    caught: list = []
+
+    def record(signum, frame):
+        caught.append(frame)
+
+    record.deferring = True
+    signal.signal(signal.SIGINT, record)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+        if caught:
+            handler(signal.SIGINT, caught[-1])

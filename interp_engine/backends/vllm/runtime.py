@@ -24,6 +24,7 @@ from interp_engine.backends.base import TokenizerRuntime
 from interp_engine.backends.vllm import compat, engine, wire
 from interp_engine.backends.vllm.capabilities import for_handle
 from interp_engine.backends.vllm.compat import resource_tracker_pid
+from interp_engine.backends.vllm.life import EngineLife, shut_down_error
 from interp_engine.backends.vllm.procs import close_children, environ, running
 from interp_engine.backends.vllm.wire import assemble, flatten
 from interp_engine.errors import BackendError, LoadError, fix
@@ -37,8 +38,6 @@ LOGITS = Address("logits")
 # vLLM engines are process-wide (worker processes, distributed state): one may be live per process.
 _LIVE: dict[str, "VllmRuntime"] = {}
 _LIVE_LOCK = threading.Lock()
-# How often a running call checks that the engine's processes are alive (a dead engine is reported this fast).
-WATCH_S = 0.5
 # Chunks a stream keeps in the engine at once: the one being finished and the next, queued behind it.
 STREAM_DEPTH = 2
 
@@ -52,6 +51,7 @@ class _Requests:
     ids: list[str] = dataclasses.field(default_factory=list)
     waiting: set[str] = dataclasses.field(default_factory=set)
     outputs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    life: EngineLife | None = None  # the engine they were added to: the call never moves to another one
 
 
 class VllmRuntime(TokenizerRuntime):
@@ -69,6 +69,8 @@ class VllmRuntime(TokenizerRuntime):
         # time. Calls from several threads interleave there, so their requests share vLLM's batches.
         self._engine_lock = threading.Lock()
         self._owners: dict[str, _Requests] = {}  # request id -> its call, until its output arrives
+        self._life: EngineLife | None = None  # the live engine's processes, watchdog and guard
+        self._calls: dict[str, EngineLife] = {}  # call id -> the engine its table went to, until collected
 
     @property
     def is_loaded(self) -> bool:
@@ -95,6 +97,7 @@ class VllmRuntime(TokenizerRuntime):
                 # process and every later spawn reuses it.
                 self._procs = [p for p in psutil.Process().children(recursive=True)
                                if p.pid not in before and p.pid != resource_tracker_pid()]
+                self._life = EngineLife(self.llm, self._procs, self.name)
             except BaseException:
                 with _LIVE_LOCK:
                     _LIVE.pop(self.name, None)
@@ -124,11 +127,15 @@ class VllmRuntime(TokenizerRuntime):
         import psutil
 
         procs, self._procs = self._procs, []
+        life, self._life = self._life, None
         self._owners.clear()
-        # A dead engine's orphans have nothing to finish: give them 2 s, not 20, before they are killed.
-        grace = 20 if running(procs) else 2
+        # A faulted engine's processes have nothing to finish: give them 2 s, not 20, before they are killed.
+        grace = 20 if life is None or life.fault is None else 2
+        if life is not None:
+            life.end()  # calls in flight fail now, rather than wait on an engine that is going away
         try:
-            compat.shutdown(llm)
+            with life.send_lock if life is not None else contextlib.nullcontext():  # no message half sent
+                compat.shutdown(llm)
         finally:
             del llm
             gc.collect()
@@ -137,14 +144,33 @@ class VllmRuntime(TokenizerRuntime):
             for process in alive:
                 process.kill()
             psutil.wait_procs(alive, timeout=5)
+            if life is not None:
+                life.release()
 
     # ------------------------------------------------------------------------------------------- calls
     def _rpc(self, method: str, *args):
-        llm = self.load()
-        if method == wire.RELEASE and not self.is_alive():
-            return []  # a dead engine holds no tables; its error is already on its way
-        with self._watched(), self._engine_lock:
-            return llm.collective_rpc(method, args=args)
+        """An RPC to every worker. A call's INSTALL is its first contact (the model loads if need be); its
+        COLLECT or RELEASE go to the engine that INSTALL reached, or fail if that one is gone: never another."""
+        if method in (wire.COLLECT, wire.RELEASE):
+            life = self._calls.pop(args[0], None)
+            if method == wire.RELEASE and (life is None or life.fault is not None):
+                return []  # a shut down or dead engine holds no tables; the call's error is on its way
+            if life is None:
+                raise shut_down_error(self.name)
+        else:
+            life = self._attach(wire.table_call(args[0]) if method == wire.INSTALL else None)
+        with self._engine_lock, self._watched(life):
+            return life.llm.collective_rpc(method, args=args)
+
+    def _attach(self, call: str | None) -> EngineLife:
+        """The engine for a call's first contact, loaded if need be, and remembered for the call's table."""
+        self.load()
+        life = self._life
+        if life is None:  # shutdown() came between the load and here
+            raise shut_down_error(self.name)
+        if call is not None:
+            self._calls[call] = life
+        return life
 
     def forward(self, prompts: Prompts, plan: Plan, **kwargs) -> tuple[Tensor | None, dict[Address, Tensor]]:
         return self._prefill(prompts, plan, **kwargs)
@@ -294,7 +320,9 @@ class VllmRuntime(TokenizerRuntime):
         return [requests.outputs[i] for i in requests.ids]
 
     def _submit(self, requests: _Requests, inputs: list, params: list) -> None:
-        llm = self.load()
+        if requests.life is None:
+            requests.life = self._calls.get(requests.call) or self._attach(None)
+        llm = requests.life.llm
         with self._engine_lock:
             for prompt, param in zip(inputs, params):
                 request = wire.request_id(requests.call, len(requests.ids))
@@ -310,12 +338,15 @@ class VllmRuntime(TokenizerRuntime):
         only for the step itself."""
         from tqdm.auto import tqdm
 
-        llm = self.load()
+        life = requests.life
+        if life is None:  # nothing was submitted
+            return
+        llm = life.llm
         bar = tqdm(total=len(requests.ids), desc="Processed prompts", disable=not progress, dynamic_ncols=True)
-        with bar, self._watched():
+        with bar:
             while requests.waiting:
-                with self._engine_lock:
-                    if not requests.waiting:  # finished by another thread's step while this one waited
+                with self._engine_lock, self._watched(life):  # checked after the lock: the thread that
+                    if not requests.waiting:  # held it may have failed on a faulted engine
                         break
                     for out in compat.step(llm):
                         if out.finished and (owner := self._owners.pop(out.request_id, None)) is not None:
@@ -328,53 +359,23 @@ class VllmRuntime(TokenizerRuntime):
         with contextlib.suppress(Exception), self._engine_lock:  # the original error matters more
             for request in requests.ids:
                 self._owners.pop(request, None)
-            if requests.waiting and self.llm is not None:
-                compat.abort_requests(self.llm, list(requests.waiting))
+            life = requests.life
+            if requests.waiting and life is not None and life.fault is None:
+                compat.abort_requests(life.llm, list(requests.waiting))
             requests.waiting.clear()
 
     def is_alive(self) -> bool:
-        """False once the engine core or a worker process has exited, or vLLM marked its engine dead."""
-        llm = self.llm
-        if llm is None:
+        """False once the engine is faulted (a process exited or was stopped, the protocol died; see life.py)
+        or vLLM marked its engine dead."""
+        life = self._life
+        if life is None or life.fault is not None:
             return False
-        return not compat.is_engine_dead(llm) and running(self._procs)
+        return not compat.is_engine_dead(life.llm) and running(life.procs)
 
-    def _dead(self) -> BackendError:
-        return BackendError(fix(
-            f"the vLLM engine serving {self.name!r} has died (its engine core or a worker process exited: "
-            "killed, out of memory, or crashed), so this call cannot finish and no later call can run on it.",
-            f"await model.shutdown() (it reaps what is left), then load_model({self.name!r}, ...) again."))
-
-    @contextlib.contextmanager
-    def _watched(self):
-        """Around a blocking engine call: poll the engine's processes, and if one dies, wake the waiting
-        call (vLLM's sync client would wait forever for an RPC answer) and raise a BackendError instead."""
-        if not self.is_alive():
-            raise self._dead()
-        done, died = threading.Event(), threading.Event()
-
-        def watch():
-            while not done.wait(WATCH_S):
-                if not self.is_alive():
-                    died.set()
-                    self._wake(self.llm)
-                    return
-
-        threading.Thread(target=watch, name="interp_engine-watchdog", daemon=True).start()
-        try:
-            yield
-        except Exception:
-            if died.is_set() or not self.is_alive():
-                raise self._dead() from None
-            raise
-        finally:
-            done.set()
-
-    @staticmethod
-    def _wake(llm) -> None:
-        """Fail whatever the driver waits on in vLLM's sync engine client."""
-        if llm is not None:
-            compat.fail_waiters(llm)
+    def _watched(self, life: EngineLife):
+        """Around a blocking engine call: the engine's watchdog wakes it if the engine faults, and the
+        failure becomes a BackendError saying why (dead, stopped, silent, or shut down)."""
+        return life.waiting()
 
 
 def _prefill_params(call: str, prompt: int, length: int):

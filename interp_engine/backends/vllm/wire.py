@@ -64,6 +64,11 @@ def table(call: str, spec: dict, fingerprint: str, reads, *, width: int = 0, len
             "width": width, "lens": [str(a) for a in lens]}
 
 
+def table_call(table: dict[str, Any]) -> str:
+    """The call id an INSTALL table belongs to."""
+    return table["call"]
+
+
 # ------------------------------------------------------------------------------------------- results
 
 def key(address: Address | str, *, lens: bool = False) -> str:
