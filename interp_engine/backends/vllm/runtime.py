@@ -248,7 +248,10 @@ class VllmRuntime(TokenizerRuntime):
         """Rank 0's records, through a file in /dev/shm (same host) rather than the RPC channel."""
         path = wire.result_path(call)
         try:
-            return wire.decode(self._rpc(wire.COLLECT, call, path, wire.host())[0])
+            answers = self._rpc(wire.COLLECT, call, path, wire.host())
+            if (error := wire.failed(answers)) is not None:
+                raise error
+            return wire.decode(answers[0])
         finally:
             if os.path.exists(path):
                 os.unlink(path)
