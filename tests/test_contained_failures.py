@@ -192,3 +192,17 @@ def test_a_call_failing_in_the_workers_fails_alone(engine):
     assert engine.runtime.is_alive()
     [status] = engine.runtime.worker_status()
     assert status["calls"] == 0 and status["hooks"] == 0, status
+
+
+@requires("vllm")
+def test_a_table_the_workers_refuse_gets_the_library_error(engine):
+    """vllm-static's workers refuse a write at a point not compiled in; the driver's checks are skipped here."""
+    if engine.capabilities.taps is None:
+        pytest.skip("only vllm-static's workers refuse tables (at undeclared points)")
+    solo = capture(engine, OTHER, ["resid_post.2"], progress=False)["resid_post.2"]
+    plan = Plan({Address("resid_post", 1): (S.Scale("resid_post.1", 2.0),)}, (Address("resid_post", 2),))
+    message = _library_error(lambda: engine.runtime.forward(_prompts(engine, PROMPT), plan, batch_size=1,
+                                                            want_logits=False, progress=False))
+    assert "the vLLM workers refused this call's table" in message and "resid_post.1" in message, message
+    assert torch.equal(capture(engine, OTHER, ["resid_post.2"], progress=False)["resid_post.2"], solo)
+    assert engine.runtime.is_alive() and engine.runtime.worker_status()[0]["calls"] == 0

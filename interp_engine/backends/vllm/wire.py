@@ -5,8 +5,8 @@
 - The driver calls the workers' `InterpExtension` methods by the names below, with plain data: a table
   (`table`) in, results out.
 - A call that failed in a worker (its failure contained there, the engine serving on) is answered by `COLLECT`
-  with `failure(...)`, `{ERROR: message, IN_SPEC: bool}`, from every rank that failed; `failed` turns the
-  answers into the library's error.
+  with `failure(...)`, `{ERROR: message, IN_SPEC: bool}`, from every rank that failed; `result` turns it into
+  the library's error.
 - Results are rows keyed by (prompt, position): per recorded key three tensors, `key|prompt`, `key|pos` and
   `key|value`, where the key is the address (`str(address)`), or `lens:` + the address for a logit-lens read.
   They travel as safetensors bytes, or, on one host and when large, as a safetensors file the driver names
@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from interp_engine.addresses import Address
-from interp_engine.errors import BackendError, InterpEngineError, SpecError, fix
+from interp_engine.errors import BackendError, SpecError, fix
 
 TAG = "interp_engine"
 CONFIG_KEY = TAG  # vllm-static: the engine's `additional_config` key holding its taps
@@ -83,14 +83,21 @@ def recording_failed(address: Address | str, error: Exception) -> str:
                "interp_engine bug.")
 
 
-def failed(answers: list) -> InterpEngineError | None:
-    """Driver side: the library's error for a call any rank failed, or None."""
+def refused(error: Exception) -> BackendError:
+    """Driver side: the library's error for workers that refused a call's table (`INSTALL` raised)."""
+    return BackendError(fix(f"the vLLM workers refused this call's table ({error}); the engine serves on.",
+                            "this request passed the checks before it, so please report it (with Spec.to_dict()) "
+                            'as an interp_engine bug; backend="eager" runs it.'))
+
+
+def result(answers: list) -> bytes | str:
+    """Driver side: rank 0's `COLLECT` answer, or the library's error for a call any rank failed."""
     for answer in answers:
         if isinstance(answer, Mapping) and isinstance(answer.get(ERROR), str):
             kind = SpecError if answer.get(IN_SPEC) else BackendError
-            return kind(f"This call failed inside the vLLM workers (only it: the engine goes on serving other "
-                        f"calls). {answer[ERROR]}")
-    return None
+            raise kind(f"This call failed inside the vLLM workers (only it: the engine goes on serving other "
+                       f"calls). {answer[ERROR]}")
+    return answers[0]
 
 
 # ------------------------------------------------------------------------------------------- results
