@@ -84,15 +84,15 @@ def _largest(t) -> float:
 
 def _check_range(op, address: Address, dtype, problems: list) -> None:
     """Refuse an op whose own numbers overflow the model's dtype: the edit would write inf, then NaN downstream
-    (and a sampler fed NaN logits fails inside the forward, where a vLLM worker takes the engine down)."""
+    (garbage on every backend, and eager's sampler cannot draw from NaN logits)."""
     if not isinstance(dtype, torch.dtype) or dtype not in SPEC_DTYPES.values():
         return
     top = torch.finfo(dtype).max
     if isinstance(op, Scale):
         size, what = abs(op.factor), f"factor {op.factor:g}"
     elif isinstance(op, Add):
-        size, what = abs(op.scale) * _largest(op.vector.tensor), "scale * vector reaches"
-        what = f"{what} {size:g}"
+        size = abs(op.scale) * _largest(op.vector.tensor)
+        what = f"scale * vector reaches {size:g}"
     elif isinstance(op, Set | Patch):
         size = _largest((op.value if isinstance(op, Set) else op.source).tensor)
         what = f"{'value' if isinstance(op, Set) else 'source'} reaches {size:g}"
