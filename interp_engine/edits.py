@@ -148,6 +148,22 @@ def apply(op, x: Tensor, info: PointInfo, step: Step) -> Tensor:
     return torch.where(_expand_mask(mask, x, info), new, x)
 
 
+def failure(ops, error: Exception) -> SpecError:
+    """The library's error for an op (or the ops at one point, compiled together) raising while it ran, which
+    the checks before the forward pass should have caught; for Custom, the caller's function raising."""
+    ops = tuple(ops) if isinstance(ops, tuple | list) else (ops,)
+    text = str(error).strip()
+    what = f"{type(error).__name__}: {text if len(text) <= 300 else text[:297] + '...'}"
+    if len(ops) == 1 and isinstance(ops[0], Custom):
+        return SpecError(fix(f"Custom fn at {ops[0].point} raised {what}", "fix the function: it takes one "
+                             "activation tensor and returns one of the same shape."))
+    named = f"{type(ops[0]).__name__} at {ops[0].point}" if len(ops) == 1 else f"the ops at {ops[0].point}"
+    return SpecError(fix(f"{named} failed while the forward pass ran ({what}); the checks before it let this through, "
+                         "so nothing of the call was returned.",
+                         "change the op (its values, positions or heads); the spec passed validation, so please also "
+                         "report it (Spec.to_dict()) as an interp_engine bug."))
+
+
 def affine(ops, like: Tensor, info: PointInfo, step: Step) -> tuple[Tensor, Tensor]:
     """`(mul, add)` such that applying `ops` in order to x gives `x * mul + add`, for ops that act on each element
     alone (every op but mean ablation and Custom). For a compiled graph, which cannot branch on a request: one op

@@ -11,6 +11,7 @@ from interp_engine.errors import SpecError, fix
 from interp_engine.tensor_data import MAX_INDEX, is_index, shown
 
 PositionKind = Literal["all", "last", "indices", "slice", "per_prompt"]
+_KINDS = PositionKind.__args__
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +24,42 @@ class Positions:
     stop: int | None = None
     step: int | None = None
     per_prompt: tuple["Positions", ...] = ()
+
+    def __post_init__(self):
+        """Every field checked here, not only in `of`: a `Positions(...)` built directly reaches the forward pass
+        (and a vLLM worker) through the same ops, so it meets the same bounds."""
+        kind = self.kind
+        if kind not in _KINDS:
+            raise SpecError(fix(f"positions kind {shown(kind)} is not one of {', '.join(_KINDS)}.",
+                                'build positions from a value: positions="all", "last", 3, [0, 2] or slice(1, None).'))
+        for name in ("indices", "per_prompt"):
+            value = getattr(self, name)
+            if not _is_list(value):
+                raise SpecError(fix(f"Positions.{name}={shown(value)} is not a sequence.",
+                                    'build positions from a value: positions=[0, 2].'))
+            object.__setattr__(self, name, tuple(value))
+        used = {"indices": bool(self.indices), "per_prompt": bool(self.per_prompt),
+                "slice": any(p is not None for p in (self.start, self.stop, self.step))}
+        extra = [name for name, on in used.items() if on and name != kind]
+        if extra:
+            raise SpecError(fix(f"Positions({kind!r}) also sets {', '.join(extra)}, which a {kind} selection "
+                                "ignores.", "set only the fields of its kind, or build it with Positions.of(value)."))
+        if kind == "indices":
+            if not self.indices:
+                raise SpecError(fix("positions=[] selects nothing.", 'use "all", "last" or at least one index.'))
+            for i in self.indices:
+                _position(i)
+        elif kind == "slice":
+            for p in (self.start, self.stop, self.step):
+                if p is not None:
+                    _position(p)
+            if self.step is not None and self.step <= 0:
+                raise SpecError(fix(f"positions slice step must be positive, got {self.step}.", "use slice(a, b, 1)."))
+        elif kind == "per_prompt":
+            if not all(isinstance(p, Positions) and p.kind != "per_prompt" for p in self.per_prompt):
+                raise SpecError(fix(f"positions {shown(self.per_prompt)} is not one entry per prompt.",
+                                    'give one entry per prompt, each "all", "last", an int, a list of ints or a '
+                                    'slice.'))
 
     @classmethod
     def of(cls, value: Any) -> "Positions":
@@ -40,19 +77,12 @@ class Positions:
             parts = (value.start, value.stop, value.step)
             if not all(p is None or (isinstance(p, int) and not isinstance(p, bool)) for p in parts):
                 raise SpecError(fix(f"positions slice {shown(value)} must hold ints or None.", "e.g. slice(2, None)."))
-            for p in parts:
-                if p is not None:
-                    _position(p)
-            if value.step is not None and value.step <= 0:
-                raise SpecError(fix(f"positions slice step must be positive, got {value.step}.", "use slice(a, b, 1)."))
             return cls("slice", start=value.start, stop=value.stop, step=value.step)
         if isinstance(value, torch.Tensor):
             value = value.tolist()
         if isinstance(value, Sequence) and not isinstance(value, str):
             if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-                if not value:
-                    raise SpecError(fix("positions=[] selects nothing.", 'use "all", "last" or at least one index.'))
-                return cls("indices", indices=tuple(_position(v) for v in value))
+                return cls("indices", indices=tuple(value))
             value = [v.tolist() if isinstance(v, torch.Tensor) else v for v in value]
             # Checked before reading the entries: a deeply nested list is refused at its second level, never
             # recursed into (which would end in a RecursionError).
@@ -94,17 +124,19 @@ class Positions:
         return cls.of(d)
 
 
-ALL = Positions("all")
-LAST = Positions("last")
-
-
 def _is_list(value: Any) -> bool:
     return isinstance(value, Sequence) and not isinstance(value, str)
 
 
 def _position(value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(fix(f"position {shown(value)} is not an int.", "positions are ints (or None in a slice)."))
     if not is_index(value):
         raise SpecError(fix(f"position {shown(value)} is past any prompt: positions lie within +-{MAX_INDEX}.",
                             "use an index within the prompt (negative counts from the end), or None in a slice "
                             "for \"to the end\"."))
     return value
+
+
+ALL = Positions("all")
+LAST = Positions("last")

@@ -48,6 +48,27 @@ def is_index(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and -MAX_INDEX <= value <= MAX_INDEX
 
 
+def _checked(value: Any, what: str) -> tuple[torch.Tensor, str]:
+    """A spec tensor as it is kept (detached, on the CPU, contiguous) and its content digest, or the error."""
+    if not isinstance(value, torch.Tensor):
+        raise InputTypeError(fix(f"{what} must be a torch.Tensor, got {type(value).__name__}.",
+                                 f"wrap it: torch.tensor(...), e.g. {what}=torch.randn(d_model)."))
+    if value.dtype not in SPEC_DTYPES.values():
+        narrow = " (a float without the CPU kernels a spec's checks need)" if value.is_floating_point() else ""
+        raise SpecError(fix(f"{what} has dtype {value.dtype}{narrow}; edits need a floating-point tensor: "
+                            "float16, bfloat16, float32 or float64.",
+                            f"pass {what}.float() (it is cast to the model dtype at run time)."))
+    t = value.detach().cpu().contiguous()
+    flat = t.reshape(-1)
+    # In slices, so that a large vector costs no second full-size (bool) tensor.
+    if any(bool(torch.isnan(c).any()) or bool(torch.isposinf(c).any()) for c in flat.split(1 << 22)):
+        raise SpecError(fix(f"{what} contains NaN or +inf; it would poison every later activation.",
+                            f"clean it first, e.g. torch.nan_to_num({what})."))
+    h = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
+    h.update(flat.view(torch.uint8).numpy())  # the buffer itself, not a bytes copy
+    return t, h.hexdigest()[:32]
+
+
 @dataclass(frozen=True, slots=True)
 class TensorData:
     """A tensor that compares and hashes by content (dtype, shape, bytes)."""
@@ -55,27 +76,27 @@ class TensorData:
     tensor: torch.Tensor = field(compare=False, repr=False)
     digest: str = ""
 
+    def __post_init__(self):
+        """Checked here, not only in `of`: a `TensorData(...)` built directly reaches the forward pass (and a
+        vLLM worker) too. The digest is always computed, never taken from the caller: specs hash and compare by
+        it, and the vLLM driver reuses a serialised table by it."""
+        t, digest = _checked(self.tensor, "a spec tensor")
+        object.__setattr__(self, "tensor", t)
+        object.__setattr__(self, "digest", digest)
+
     @classmethod
     def of(cls, value: Any, *, what: str) -> "TensorData":
         if isinstance(value, TensorData):
             return value
-        if not isinstance(value, torch.Tensor):
-            raise InputTypeError(fix(f"{what} must be a torch.Tensor, got {type(value).__name__}.",
-                                     f"wrap it: torch.tensor(...), e.g. {what}=torch.randn(d_model)."))
-        if value.dtype not in SPEC_DTYPES.values():
-            narrow = " (a float without the CPU kernels a spec's checks need)" if value.is_floating_point() else ""
-            raise SpecError(fix(f"{what} has dtype {value.dtype}{narrow}; edits need a floating-point tensor: "
-                                "float16, bfloat16, float32 or float64.",
-                                f"pass {what}.float() (it is cast to the model dtype at run time)."))
-        t = value.detach().cpu().contiguous()
-        flat = t.reshape(-1)
-        # In slices, so that a large vector costs no second full-size (bool) tensor.
-        if any(bool(torch.isnan(c).any()) or bool(torch.isposinf(c).any()) for c in flat.split(1 << 22)):
-            raise SpecError(fix(f"{what} contains NaN or +inf; it would poison every later activation.",
-                                f"clean it first, e.g. torch.nan_to_num({what})."))
-        h = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(flat.view(torch.uint8).numpy())  # the buffer itself, not a bytes copy
-        return cls(t, h.hexdigest()[:32])
+        return cls._trusted(*_checked(value, what))
+
+    @classmethod
+    def _trusted(cls, tensor: torch.Tensor, digest: str) -> "TensorData":
+        """A tensor already checked: by `_checked`, or by the sending process (a vLLM worker's table)."""
+        out = object.__new__(cls)
+        object.__setattr__(out, "tensor", tensor)
+        object.__setattr__(out, "digest", digest)
+        return out
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -133,5 +154,5 @@ class TensorData:
             raise SpecError(fix(f"{what}: data is not the base64 of {size} bytes ({e}).", remedy)) from None
         t = raw.view(dtype).reshape(shape)  # `raw` is this tensor's own buffer: no copy needed
         if digest is not None:
-            return cls(t, digest)
+            return cls._trusted(t, digest)
         return cls.of(t, what=what)

@@ -3,10 +3,12 @@
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import torch
+
 from interp_engine.addresses import Address
 from interp_engine.arch import Dims
 from interp_engine.errors import BackendError, InterpEngineError, PointError, SpecError, fix
-from interp_engine.spec import Ablate, Add, Custom, Patch, Positions, Set, Spec
+from interp_engine.spec import SPEC_DTYPES, Ablate, Add, Custom, Patch, Positions, Scale, Set, Spec, shown
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +75,35 @@ def _check_value(op, name: str, shape: tuple[int, ...], address: Address, feat: 
         remedy)))
 
 
+def _largest(t) -> float:
+    """The largest finite magnitude in `t` (-inf in attention scores is a masked key, not a size), in slices."""
+    flat = t.reshape(-1)
+    return max((float(c.abs().masked_fill(c.isinf(), 0).amax()) for c in flat.split(1 << 22) if c.numel()),
+               default=0.0)
+
+
+def _check_range(op, address: Address, dtype, problems: list) -> None:
+    """Refuse an op whose own numbers overflow the model's dtype: the edit would write inf, then NaN downstream
+    (garbage on every backend, and eager's sampler cannot draw from NaN logits)."""
+    if not isinstance(dtype, torch.dtype) or dtype not in SPEC_DTYPES.values():
+        return
+    top = torch.finfo(dtype).max
+    if isinstance(op, Scale):
+        size, what = abs(op.factor), f"factor {op.factor:g}"
+    elif isinstance(op, Add):
+        size = abs(op.scale) * _largest(op.vector.tensor)
+        what = f"scale * vector reaches {size:g}"
+    elif isinstance(op, Set | Patch):
+        size = _largest((op.value if isinstance(op, Set) else op.source).tensor)
+        what = f"{'value' if isinstance(op, Set) else 'source'} reaches {size:g}"
+    else:
+        return
+    if size > top:
+        problems.append(SpecError(fix(f"{type(op).__name__} at {address}: {what}, past the largest {dtype} "
+                                      f"({top:g}): the edit would write inf.",
+                                      f"keep the op's numbers within +-{top:g} (the model's dtype is {dtype}).")))
+
+
 def _check_positions(positions: Positions, address: Address, n_prompts: int, longest: int, generating: bool,
                      problems: list) -> None:
     if positions.kind == "per_prompt":
@@ -84,7 +115,7 @@ def _check_positions(positions: Positions, address: Address, n_prompts: int, lon
     elif positions.kind == "indices" and not generating:
         bad = [i for i in positions.indices if i >= longest or i < -longest]
         if bad:
-            problems.append(SpecError(fix(f"positions {bad} at {address} are past the end of every prompt (the longest has "
+            problems.append(SpecError(fix(f"positions {shown(bad)} at {address} are past the end of every prompt (the longest has "
                                 f"{longest} tokens).", f"use indices in -{longest}..{longest - 1}.")))
 
 
@@ -138,6 +169,7 @@ def plan(model, spec: Spec, reads: Iterable[Address], *, n_prompts: int, longest
                 if bad:
                     problems.append(PointError(fix(f"heads {bad} at {address} do not exist: {address.point} has {count} heads.",
                                         f"use head indices in 0..{count - 1}.")))
+        _check_range(op, address, getattr(model, "dtype", None), problems)
         _check_positions(op.positions, address, n_prompts, longest, generating, problems)
         ops.setdefault(address, []).append(op)
     resolved_reads = []

@@ -10,6 +10,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from interp_engine.edits import Step
+from interp_engine.errors import SpecError, fix
 from interp_engine.backends.eager.sites import Run
 from interp_engine.inputs import Prompts
 from interp_engine.validate import Plan
@@ -29,7 +30,12 @@ def pick(logits: Tensor, *, temperature: float, top_k: int | None, top_p: float 
         cumulative = torch.softmax(ordered, -1).cumsum(-1)
         drop = cumulative - torch.softmax(ordered, -1) > top_p  # keep the smallest set reaching top_p
         scores = scores.scatter(-1, order, ordered.masked_fill(drop, float("-inf")))
-    return torch.multinomial(torch.softmax(scores, -1), 1, generator=generator)[:, 0]
+    probs = torch.softmax(scores, -1)
+    if not bool(torch.isfinite(probs).all()):  # torch.multinomial's own error would name neither cause nor fix
+        raise SpecError(fix("the logits are NaN or infinite, so no token can be sampled: an edit made the "
+                            "activations overflow (a large factor, scale or vector).",
+                            "use smaller numbers in the spec, or temperature=0 (argmax) to see what it does."))
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
 def decode(rt, prompts: Prompts, plan: Plan, *, max_new_tokens: int, temperature: float, top_k: int | None,

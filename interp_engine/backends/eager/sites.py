@@ -15,7 +15,8 @@ from torch import Tensor
 from interp_engine.addresses import Address
 from interp_engine.arch import Arch
 from interp_engine.backends.eager.attention import SITE_KW, eager_pattern
-from interp_engine.edits import Step, apply
+from interp_engine.edits import Step, apply, failure
+from interp_engine.errors import InterpEngineError
 
 EMBED, FINAL = Address("embed"), Address("final")
 
@@ -53,7 +54,12 @@ class Run:
     def touch(self, address: Address, x: Tensor, present=None) -> Tensor:
         """Apply this address's edits in spec order, add its delta, record it. Returns x itself if untouched."""
         for op in self.ops.get(address, ()):
-            x = apply(op, x, address.info, self.step)
+            try:
+                x = apply(op, x, address.info, self.step)
+            except InterpEngineError:
+                raise
+            except Exception as e:  # a raw error from inside the forward would name torch, not the op
+                raise failure(op, e) from e
         if address in self.deltas:
             x = x + self.deltas[address]
         if address in self.reads:

@@ -6,6 +6,7 @@ from torch import Tensor
 
 from interp_engine.addresses import Address
 from interp_engine.backends.vllm import compat
+from interp_engine.backends.vllm.wire import recording_failed
 
 
 def record_patterns(state, layer: int, q: Tensor, k: Tensor, attention) -> None:
@@ -14,38 +15,47 @@ def record_patterns(state, layer: int, q: Tensor, k: Tensor, attention) -> None:
     q and k arrive gathered ([rows, heads, d_head]). Keys are kept per (prompt, layer) across steps, so a
     chunked prefill still sees its earlier chunks."""
     scores_at, probs_at = Address("attn_scores", layer), Address("attn_probs", layer)
-    n_heads, n_kv = q.shape[1], k.shape[1]
     scale = compat.attention_scale(attention)
     cap = compat.attention_soft_cap(attention)
     window = compat.attention_window(attention)
     for active in state.active:
         call = active.call
-        if scores_at not in call.reads and probs_at not in call.reads:
+        if call.error or (scores_at not in call.reads and probs_at not in call.reads):
             continue
-        q_rows = q.index_select(0, active.rows).float()
-        k_rows = k.index_select(0, active.rows).float()
-        prompts, positions, lengths = active.step.prompt_index[0], active.step.abs_pos[0], active.step.lengths[0]
-        for prompt in prompts.unique().tolist():
-            mine = prompts == prompt
-            length = int(lengths[mine][0])
-            stash = call.keys.setdefault((prompt, layer), [])
-            stash.append((positions[mine], k_rows[mine]))
-            key_pos = torch.cat([p for p, _ in stash])
-            keys = torch.cat([t for _, t in stash]).repeat_interleave(n_heads // n_kv, dim=1)
-            q_pos = positions[mine]
-            scores = torch.einsum("qhd,khd->qhk", q_rows[mine], keys) * scale
-            if cap:
-                scores = torch.tanh(scores / cap) * cap
-            masked = key_pos[None, :] > q_pos[:, None]
-            if window:
-                masked |= (q_pos[:, None] - key_pos[None, :]) >= window
-            scores = scores.masked_fill(masked[:, None, :], float("-inf"))
-            for address, values in ((scores_at, scores), (probs_at, torch.softmax(scores, dim=-1))):
-                if address not in call.reads:
-                    continue
-                row = torch.zeros((len(q_pos), n_heads, call.width), dtype=q.dtype, device=q.device)
-                if address is scores_at:  # keys of later chunks, not seen yet, are future keys: masked
-                    row[:, :, :length] = float("-inf")
-                row[:, :, key_pos] = values.to(q.dtype)
-                call.records.setdefault(address, []).append(
-                    (torch.full((len(q_pos),), prompt).cpu(), q_pos.cpu(), row.cpu()))
+        try:  # contained to this call (no collective in here): see WorkerCall.fail
+            _record(call, active, layer, q, k, scale, cap, window)
+        except Exception as e:
+            call.fail(recording_failed(scores_at if scores_at in call.reads else probs_at, e), in_spec=False)
+
+
+def _record(call, active, layer: int, q: Tensor, k: Tensor, scale: float, cap, window) -> None:
+    """One call's pattern rows at `layer`."""
+    scores_at, probs_at = Address("attn_scores", layer), Address("attn_probs", layer)
+    n_heads, n_kv = q.shape[1], k.shape[1]
+    q_rows = q.index_select(0, active.rows).float()
+    k_rows = k.index_select(0, active.rows).float()
+    prompts, positions, lengths = active.step.prompt_index[0], active.step.abs_pos[0], active.step.lengths[0]
+    for prompt in prompts.unique().tolist():
+        mine = prompts == prompt
+        length = int(lengths[mine][0])
+        stash = call.keys.setdefault((prompt, layer), [])
+        stash.append((positions[mine], k_rows[mine]))
+        key_pos = torch.cat([p for p, _ in stash])
+        keys = torch.cat([t for _, t in stash]).repeat_interleave(n_heads // n_kv, dim=1)
+        q_pos = positions[mine]
+        scores = torch.einsum("qhd,khd->qhk", q_rows[mine], keys) * scale
+        if cap:
+            scores = torch.tanh(scores / cap) * cap
+        masked = key_pos[None, :] > q_pos[:, None]
+        if window:
+            masked |= (q_pos[:, None] - key_pos[None, :]) >= window
+        scores = scores.masked_fill(masked[:, None, :], float("-inf"))
+        for address, values in ((scores_at, scores), (probs_at, torch.softmax(scores, dim=-1))):
+            if address not in call.reads:
+                continue
+            row = torch.zeros((len(q_pos), n_heads, call.width), dtype=q.dtype, device=q.device)
+            if address is scores_at:  # keys of later chunks, not seen yet, are future keys: masked
+                row[:, :, :length] = float("-inf")
+            row[:, :, key_pos] = values.to(q.dtype)
+            call.records.setdefault(address, []).append(
+                (torch.full((len(q_pos),), prompt).cpu(), q_pos.cpu(), row.cpu()))

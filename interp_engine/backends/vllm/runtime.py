@@ -27,7 +27,7 @@ from interp_engine.backends.vllm.compat import resource_tracker_pid
 from interp_engine.backends.vllm.life import EngineLife, shut_down_error
 from interp_engine.backends.vllm.procs import close_children, environ, running
 from interp_engine.backends.vllm.wire import assemble, flatten
-from interp_engine.errors import BackendError, LoadError, fix
+from interp_engine.errors import BackendError, InterpEngineError, LoadError, fix
 from interp_engine.inputs import Prompts
 from interp_engine.spec import Spec
 from interp_engine.taps import Taps
@@ -274,7 +274,7 @@ class VllmRuntime(TokenizerRuntime):
         """Rank 0's records, through a file in /dev/shm (same host) rather than the RPC channel."""
         path = wire.result_path(call)
         try:
-            return wire.decode(self._rpc(wire.COLLECT, call, path, wire.host())[0])
+            return wire.decode(wire.result(self._rpc(wire.COLLECT, call, path, wire.host())))
         finally:
             if os.path.exists(path):
                 os.unlink(path)
@@ -300,7 +300,12 @@ class VllmRuntime(TokenizerRuntime):
             self._tables[key] = compiled  # most recent last; serialising large Patch sources once is worth it
             while len(self._tables) > 32:
                 self._tables.pop(next(iter(self._tables)))
-        self._rpc(wire.INSTALL, wire.table(call, compiled, key, reads, width=width, lens=lens))
+        try:
+            self._rpc(wire.INSTALL, wire.table(call, compiled, key, reads, width=width, lens=lens))
+        except InterpEngineError:
+            raise
+        except Exception as e:  # vLLM's "collective_rpc failed" names neither the call nor a fix
+            raise wire.refused(e) from e
 
     def worker_status(self) -> list[dict]:
         tabled = self.capabilities.points  # vllm-generate installs nothing

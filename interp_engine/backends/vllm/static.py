@@ -28,7 +28,7 @@ from interp_engine.backends.vllm import compat, wire
 from interp_engine.backends.vllm.patterns import record_patterns
 from interp_engine.backends.vllm.sites import FINAL, LAYER_SITES, LOGITS, MODEL_SITES, Site, module_of, register
 from interp_engine.backends.vllm.worker import InterpExtension, StepState, WorkerCall, layout_of
-from interp_engine.edits import affine
+from interp_engine.edits import affine, failure
 from interp_engine.taps import PATTERNS, Taps
 
 CONFIG_KEY = wire.CONFIG_KEY
@@ -116,17 +116,23 @@ class StaticTaps:
     def _fill(self, n: int) -> list[tuple[Tensor, Tensor]]:
         dirty = []
         for address, (mul, add) in self.writes.items():
-            editing = [a for a in self.state.active if address in a.call.ops]
+            editing = [a for a in self.state.active if address in a.call.ops and not a.call.error]
             if not editing:
                 continue
             shape = self.shards.shape(address.point, self.d_model)
             full_mul = torch.ones((n, *shape), dtype=mul.dtype, device=mul.device)
             full_add = torch.zeros_like(full_mul)
             for active in editing:
+                ops = active.call.ops[address]
                 like = full_mul.new_zeros((1, len(active.rows), *full_mul.shape[1:]))
-                m, a = affine(active.call.ops[address], like, address.info, active.step)
-                full_mul.index_copy_(0, active.rows, m[0])
-                full_add.index_copy_(0, active.rows, a[0])
+                try:  # contained to this call (its rows stay identity; no collective in here): WorkerCall.fail
+                    m, a = affine(ops, like, address.info, active.step)
+                    full_mul.index_copy_(0, active.rows, m[0])
+                    full_add.index_copy_(0, active.rows, a[0])
+                except Exception as e:
+                    active.call.fail(str(failure(ops, e)), in_spec=True)
+                    full_mul.index_fill_(0, active.rows, 1.0)
+                    full_add.index_fill_(0, active.rows, 0.0)
             mul[:n].copy_(self.shards.split(address.point, full_mul).reshape(n, -1))
             add[:n].copy_(self.shards.split(address.point, full_add).reshape(n, -1))
             dirty.append((mul, add))

@@ -4,6 +4,9 @@
   ids are `request_id(call, i)`.
 - The driver calls the workers' `InterpExtension` methods by the names below, with plain data: a table
   (`table`) in, results out.
+- A call that failed in a worker (its failure contained there, the engine serving on) is answered by `COLLECT`
+  with `failure(...)`, `{ERROR: message, IN_SPEC: bool}`, from every rank that failed; `result` turns it into
+  the library's error.
 - Results are rows keyed by (prompt, position): per recorded key three tensors, `key|prompt`, `key|pos` and
   `key|value`, where the key is the address (`str(address)`), or `lens:` + the address for a logit-lens read.
   They travel as safetensors bytes, or, on one host and when large, as a safetensors file the driver names
@@ -20,7 +23,7 @@ import torch
 from torch import Tensor
 
 from interp_engine.addresses import Address
-from interp_engine.errors import BackendError
+from interp_engine.errors import BackendError, SpecError, fix
 
 TAG = "interp_engine"
 CONFIG_KEY = TAG  # vllm-static: the engine's `additional_config` key holding its taps
@@ -32,6 +35,8 @@ RELEASE = "ie_release"
 STATUS = "ie_status"
 METHODS = (INSTALL, COLLECT, RELEASE, STATUS)
 
+ERROR = "interp_engine_error"  # a failed call's COLLECT answer: the message the driver raises
+IN_SPEC = "in_spec"  # ...and whether an op failed (SpecError) rather than a read (BackendError)
 LENS = "lens:"  # key prefix of a logit-lens read (log-probs computed in the worker)
 # Results smaller than this go back through the RPC answer: for them a file's create, write, read and unlink
 # cost more than the bytes do.
@@ -67,6 +72,37 @@ def table(call: str, spec: dict, fingerprint: str, reads, *, width: int = 0, len
 def table_call(table: dict[str, Any]) -> str:
     """The call id an INSTALL table belongs to."""
     return table["call"]
+
+
+# ------------------------------------------------------------------------------------------- failures
+
+def failure(message: str, *, in_spec: bool) -> dict[str, Any]:
+    """Worker side: `COLLECT`'s answer for a call that failed on this rank."""
+    return {ERROR: message, IN_SPEC: in_spec}
+
+
+def recording_failed(address: Address | str, error: Exception) -> str:
+    """A contained failure to record a call's rows (not the spec's doing): the message the driver raises."""
+    return fix(f"recording {address} failed ({type(error).__name__}: {str(error).strip()[:300]}).",
+               "retry the call; if it fails again, capture fewer points or prompts at once, or report it as an "
+               "interp_engine bug.")
+
+
+def refused(error: Exception) -> BackendError:
+    """Driver side: the library's error for workers that refused a call's table (`INSTALL` raised)."""
+    return BackendError(fix(f"the vLLM workers refused this call's table ({error}); the engine serves on.",
+                            "this request passed the checks before it, so please report it (with Spec.to_dict()) "
+                            'as an interp_engine bug; backend="eager" runs it.'))
+
+
+def result(answers: list) -> bytes | str:
+    """Driver side: rank 0's `COLLECT` answer, or the library's error for a call any rank failed."""
+    for answer in answers:
+        if isinstance(answer, Mapping) and isinstance(answer.get(ERROR), str):
+            kind = SpecError if answer.get(IN_SPEC) else BackendError
+            raise kind(f"This call failed inside the vLLM workers (only it: the engine goes on serving other "
+                       f"calls). {answer[ERROR]}")
+    return answers[0]
 
 
 # ------------------------------------------------------------------------------------------- results

@@ -18,7 +18,7 @@ from interp_engine.backends.vllm.patterns import record_patterns
 from interp_engine.backends.vllm.shards import Shards
 from interp_engine.backends.vllm.sites import (EMBED, FINAL, LAYER_SITES, LOGITS, MODEL_SITES, Site, layer_positions,
                                                module_of, register)
-from interp_engine.edits import Step, apply
+from interp_engine.edits import Step, apply, failure
 from interp_engine.spec import Spec
 
 __all__ = ["EMBED", "FINAL", "LOGITS", "InterpExtension", "StepState", "WorkerCall", "install"]
@@ -34,6 +34,11 @@ class WorkerCall:
     lens: frozenset[Address] = frozenset()  # points read through the final norm and unembedding, here
     records: dict[Address | str, list[tuple[Tensor, Tensor, Tensor]]] = field(default_factory=dict)
     keys: dict[tuple[int, int], list[tuple[Tensor, Tensor]]] = field(default_factory=dict)  # (prompt, layer)
+    # Why this call failed in this worker, if it did: from then on its ops are skipped (its rows go through
+    # unedited) and nothing more is recorded, while every other call in the same steps goes on. `COLLECT`
+    # answers with the failure instead of records.
+    error: str = ""
+    error_in_spec: bool = False  # an op failed (SpecError on the driver), rather than a read (BackendError)
 
     @classmethod
     def from_table(cls, table: dict) -> "WorkerCall":
@@ -51,6 +56,14 @@ class WorkerCall:
 
     def wants(self, address: Address) -> bool:
         return address in self.ops or address in self.reads or address in self.lens
+
+    def fail(self, message: str, *, in_spec: bool) -> None:
+        """Contain a failure to this call. A failed call stays in every step's row map and its hooks keep firing:
+        under tensor parallelism every rank must run the same gathers whether or not this rank failed."""
+        if not self.error:
+            self.error, self.error_in_spec = message, in_spec
+        self.records.clear()
+        self.keys.clear()
 
 
 @dataclass
@@ -80,6 +93,8 @@ class InterpExtension:
         with bytes."""
         call = self._ie_calls().pop(call_id, None)
         self._ie_rehook()
+        if call is not None and call.error:  # from any rank: the driver fails the call if any rank did
+            return wire.failure(call.error, in_spec=call.error_in_spec)
         if call is None or compat.tp_rank() != 0:
             return b""
         records = {wire.key(a) if isinstance(a, Address) else a: chunks for a, chunks in call.records.items()}
@@ -169,24 +184,47 @@ class StepState:
                 continue
             whole = active.whole
             mine = x[None] if whole else x.index_select(0, active.rows)[None]
-            edited = mine
-            for op in call.ops.get(address, ()):
-                edited = apply(op, edited, address.info, active.step)
+            edited = self.edit(active, address, mine)
             # One copy per read: index_select already made one, unless these rows are the whole step.
             self.keep(active, address, edited[0], copied=not (edited is mine and whole))
             if edited is not mine:
                 x = edited[0].to(x.dtype) if whole else x.index_copy(0, active.rows, edited[0].to(x.dtype))
         return x
 
+    @staticmethod
+    def edit(active: Active, address: Address, mine: Tensor) -> Tensor:
+        """The call's ops at `address` on its rows. An op that raises fails its call only (see `WorkerCall.fail`):
+        an exception out of a hook would end the forward pass, and with it the engine, for every caller."""
+        call, edited = active.call, mine
+        if call.error:
+            return mine
+        op = None
+        try:
+            for op in call.ops.get(address, ()):
+                edited = apply(op, edited, address.info, active.step)
+                if edited.shape != mine.shape:
+                    raise ValueError(f"the edit has shape {tuple(edited.shape)}, its rows {tuple(mine.shape)}")
+        except Exception as e:
+            call.fail(str(failure(op, e)), in_spec=True)
+            return mine
+        return edited
+
     def keep(self, active: Active, address: Address, rows: Tensor, *, copied: bool) -> None:
         """Record a call's rows at `address` (and their logit lens, if it asked). `copied`: `rows` is not a view
         of a tensor the model goes on using."""
         call, where = active.call, (active.prompts_cpu, active.positions_cpu)
-        if address in call.reads:
-            kept = rows.detach() if copied else rows.detach().clone()
-            call.records.setdefault(address, []).append((*where, kept.cpu()))
-        if address in call.lens:
-            call.records.setdefault(wire.key(address, lens=True), []).append((*where, self.lens(rows).cpu()))
+        # The lens gathers vocab shards (a collective): run for a failed call too, so every rank gathers alike.
+        lensed = self.lens(rows) if address in call.lens else None
+        if call.error:
+            return
+        try:
+            if address in call.reads:
+                kept = rows.detach() if copied else rows.detach().clone()
+                call.records.setdefault(address, []).append((*where, kept.cpu()))
+            if lensed is not None:
+                call.records.setdefault(wire.key(address, lens=True), []).append((*where, lensed.cpu()))
+        except Exception as e:
+            call.fail(wire.recording_failed(address, e), in_spec=False)
 
 
 def install(runner, calls: dict[str, WorkerCall]) -> list:
