@@ -1,13 +1,12 @@
 """The driver/worker protocol of the vLLM backends, written once and imported by both sides.
 
-- Requests of a call carry `extra_args[TAG] = {"call", "prompt", "length"}` (see `tag`); the engine's request
-  ids are `request_id(call, i)`.
-- The driver calls the workers' `InterpExtension` methods by the names below, with plain data: a table
-  (`table`) in, results out.
+- Requests of a call carry `extra_args[TAG] = {"call", "prompt", "length"}` (see `tag`), the first one also
+  the call's table (`table`: plain data); the engine's request ids are `request_id(call, i)`.
+- The driver calls the workers' `InterpExtension` methods by the names below, with plain data.
 - Results are rows keyed by (prompt, position): per recorded key three tensors, `key|prompt`, `key|pos` and
   `key|value`, where the key is the address (`str(address)`), or `lens:` + the address for a logit-lens read.
-  They travel as safetensors bytes, or, on one host and when large, as a safetensors file the driver names
-  (normally in /dev/shm) and deletes.
+  On the driver's host they travel as a safetensors file the driver names (`result_path`, normally in
+  /dev/shm) and deletes; from another host, as safetensors bytes.
 """
 
 import os
@@ -26,16 +25,13 @@ TAG = "interp_engine"
 CONFIG_KEY = TAG  # vllm-static: the engine's `additional_config` key holding its taps
 
 # RPC methods of `worker.InterpExtension` (names start with ie_ to stay clear of the worker's own).
-INSTALL = "ie_install"
+ATTACH = "ie_attach"
 COLLECT = "ie_collect"
 RELEASE = "ie_release"
 STATUS = "ie_status"
-METHODS = (INSTALL, COLLECT, RELEASE, STATUS)
+METHODS = (ATTACH, COLLECT, RELEASE, STATUS)
 
 LENS = "lens:"  # key prefix of a logit-lens read (log-probs computed in the worker)
-# Results smaller than this go back through the RPC answer: for them a file's create, write, read and unlink
-# cost more than the bytes do.
-FILE_MIN_BYTES = 4 << 20
 
 
 # ------------------------------------------------------------------------------------------- requests
@@ -44,9 +40,11 @@ def request_id(call: str, index: int) -> str:
     return f"{TAG}-{call}-{index}"
 
 
-def tag(call: str, prompt: int, length: int) -> dict[str, Any]:
-    """A request's `extra_args`: which call it belongs to, which prompt it is and how long that prompt is."""
-    return {TAG: {"call": call, "prompt": prompt, "length": length}}
+def tag(call: str, prompt: int, length: int, table: dict | None = None) -> dict[str, Any]:
+    """A request's `extra_args`: which call it belongs to, which prompt it is and how long that prompt is; the
+    call's first request also carries its table (the scheduler is first come, first served, so the workers
+    see it no later than the call's other requests)."""
+    return {TAG: {"call": call, "prompt": prompt, "length": length, **({"table": table} if table else {})}}
 
 
 def read_tag(extra_args: Mapping | None) -> dict | None:
@@ -57,11 +55,15 @@ def read_tag(extra_args: Mapping | None) -> dict | None:
 
 # ------------------------------------------------------------------------------------------- tables
 
-def table(call: str, spec: dict, fingerprint: str, reads, *, width: int = 0, lens=()) -> dict[str, Any]:
-    """What `INSTALL` takes: the call id, its spec (`Spec.to_dict`, already validated by the driver, with its
-    fingerprint), the addresses it reads, the padded width of pattern rows, and the addresses it lenses."""
+def table(call: str, spec: dict, fingerprint: str, reads, *, width: int = 0, lens=(), prompts: int = 0
+          ) -> dict[str, Any]:
+    """A call's table: its id, its spec (`Spec.to_dict`, already validated by the driver, with its
+    fingerprint), the addresses it reads, the padded width of pattern rows, the addresses it lenses, and, for a
+    prefill call, how many prompts it has: the workers hand its results back at `result_path(call)` (on the
+    driver's host) once every prompt's last position has run."""
     return {"call": call, "spec": spec, "fingerprint": fingerprint, "reads": [str(a) for a in reads],
-            "width": width, "lens": [str(a) for a in lens]}
+            "width": width, "lens": [str(a) for a in lens], "prompts": prompts,
+            "path": result_path(call) if prompts else "", "host": host()}
 
 
 # ------------------------------------------------------------------------------------------- results
@@ -71,8 +73,8 @@ def key(address: Address | str, *, lens: bool = False) -> str:
 
 
 def encode(records: Mapping[str, list[tuple[Tensor, Tensor, Tensor]]], *, path: str = "") -> bytes | str:
-    """Worker side: per key, (prompt, position, value) chunks -> safetensors bytes, or, with `path` and at
-    least FILE_MIN_BYTES, a file at `path` whose name is returned."""
+    """Worker side: per key, (prompt, position, value) chunks -> safetensors bytes, or, with `path`, a file
+    there whose name is returned."""
     from safetensors.torch import save, save_file
 
     join = lambda parts: parts[0] if len(parts) == 1 else torch.cat(parts)  # noqa: E731
@@ -81,7 +83,7 @@ def encode(records: Mapping[str, list[tuple[Tensor, Tensor, Tensor]]], *, path: 
         out[f"{name}|prompt"] = torch.cat([c[0] for c in chunks])  # small; shared by every address
         out[f"{name}|pos"] = torch.cat([c[1] for c in chunks])
         out[f"{name}|value"] = join([c[2] for c in chunks]).contiguous()
-    if path and sum(t.nbytes for t in out.values()) >= FILE_MIN_BYTES:
+    if path:
         save_file(out, path)
         return path
     return save(out) if out else b""
