@@ -126,18 +126,37 @@ def assemble(flat: dict[str, Tensor], reads: list[Address], lengths: tuple[int, 
 
     With `offsets`, row `offsets[i] + j` of prompt i lands at column j (generated positions)."""
     width = max(max(lengths), 1)
+    starts = torch.tensor((0, *lengths)).cumsum(0)
     out = {}
     for address in reads:
         prompt, pos, value = rows(flat, address, lens=lens)
+        patterns = address.info.pos_axis == 2 and not lens
+        if offsets is None and not patterns and len(pos) == int(starts[-1]) and \
+                torch.equal(starts[prompt] + pos, torch.arange(len(pos))):
+            # Each prompt's rows once, in order (the usual case): a view, or one copy per prompt where ragged.
+            # The index_put below is a parallel op in the driver; on a busy machine its threads stall the call.
+            out[address] = _padded(value, lengths, width)
+            continue
         if offsets is not None:
             pos = pos - torch.tensor(offsets)[prompt]
         keep = (pos >= 0) & (pos < torch.tensor(lengths)[prompt])
         full = torch.zeros((len(lengths), width, *value.shape[1:]), dtype=value.dtype)
         full[prompt[keep], pos[keep]] = value[keep]
         # Pattern rows arrive as [q, heads, k]; the point's axes are batch n_heads q_pos k_pos.
-        patterns = address.info.pos_axis == 2 and not lens
         out[address] = full.permute(0, 2, 1, 3).contiguous() if patterns else full
     return out
+
+
+def _padded(value: Tensor, lengths: tuple[int, ...], width: int) -> Tensor:
+    """Rows of prompt after prompt, each whole -> [n_prompts, width, ...], zeros past each end."""
+    if all(n == width for n in lengths):
+        return value.view(len(lengths), width, *value.shape[1:])
+    full = value.new_zeros((len(lengths), width, *value.shape[1:]))
+    start = 0
+    for i, n in enumerate(lengths):
+        full[i, :n] = value[start:start + n]
+        start += n
+    return full
 
 
 def flatten(flat: dict[str, Tensor], reads: tuple[Address, ...], lengths: tuple[int, ...]) -> dict[Address, Tensor]:
