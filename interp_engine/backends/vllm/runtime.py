@@ -277,9 +277,9 @@ class VllmRuntime(TokenizerRuntime):
             self._tables[key] = compiled  # most recent last; serialising large Patch sources once is worth it
             while len(self._tables) > 32:
                 self._tables.pop(next(iter(self._tables)))
-        if self._attached is not self.llm:
+        if self._attached is not (llm := self.load()):  # the engine starts on its first call
             self._rpc(wire.ATTACH)
-            self._attached = self.llm
+            self._attached = llm
         return wire.table(call, compiled, key, reads, width=width, lens=lens, prompts=prompts)
 
     def worker_status(self) -> list[dict]:
@@ -301,7 +301,7 @@ class VllmRuntime(TokenizerRuntime):
 
     def _submit(self, requests: _Requests, inputs: list, params: list) -> None:
         llm = self.load()
-        with self._engine_lock:
+        with self._watched(), self._engine_lock:  # a dead engine is reported as such, not as vLLM's error
             for prompt, param in zip(inputs, params):
                 request = wire.request_id(requests.call, len(requests.ids))
                 # Recorded before it is added: an interrupt inside add_request still finds it to abort.
