@@ -243,16 +243,18 @@ def _planned(model, chunks):
 
 @requires("vllm")
 def test_vllm_stream_queues_the_next_chunk_and_leaves_nothing_when_stopped(served):
-    """While the consumer holds chunk 0, chunk 1's table is installed and its 16 requests are in the engine (the
-    batch never drains between chunks); closing the stream there aborts them and removes the table."""
+    """While the consumer holds chunk 0, chunk 1's requests are in the engine (the batch never drains between
+    chunks), its table travelling with the first of them; closing the stream there aborts them and leaves no
+    table in the workers, whether or not a step had adopted it yet."""
     runtime, engine = served.runtime, served.runtime.llm.llm_engine
     chunks = [_prompts(16, seed=10 + k) for k in range(4)]
     stream = runtime.stream(_planned(served, chunks), batch_size=32)
     prompts, rows = next(stream)
     assert prompts.ids == tuple(map(tuple, chunks[0]))
-    assert engine.get_num_unfinished_requests() == 16
+    # Chunk 1 was queued behind chunk 0 at once: the steps that ran chunk 0 may have run some of it too.
+    assert engine.get_num_unfinished_requests() <= 16
     [status] = runtime.worker_status()
-    assert status["calls"] == 1 and status["hooks"] > 0, status
+    assert status["calls"] <= 1 and (status["hooks"] > 0) == (status["calls"] == 1), status
     stream.close()
     assert engine.get_num_unfinished_requests() == 0
     assert runtime.worker_status() == [{"calls": 0, "hooks": 0}]

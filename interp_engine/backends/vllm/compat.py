@@ -181,7 +181,8 @@ def step_rows(runner) -> int:
 
 
 def request_extra_args(runner, request_id: str) -> dict | None:
-    params = runner.requests[request_id].sampling_params
+    request = runner.requests.get(request_id)
+    params = None if request is None else request.sampling_params
     return None if params is None else params.extra_args
 
 

@@ -1,7 +1,8 @@
-"""The driver side of the vLLM backends: one engine per process, hook tables per call, results as bytes.
+"""The driver side of the vLLM backends: one engine per process, hook tables per call, results as files.
 
-Every call installs its table in every worker, tags its requests with the call id, collects, and releases the
-table in `finally`, so nothing outlives the call even when it fails.
+Every call tags its requests with the call id, its first request carrying the call's table to the workers; a
+prefill call's results are handed back in a file as its last position runs, a generation's collected. A call
+that fails releases its table in the workers, so nothing outlives the call.
 """
 
 import collections
@@ -27,7 +28,7 @@ from interp_engine.backends.vllm.compat import resource_tracker_pid
 from interp_engine.backends.vllm.life import EngineLife, shut_down_error
 from interp_engine.backends.vllm.procs import close_children, environ, running
 from interp_engine.backends.vllm.wire import assemble, flatten
-from interp_engine.errors import BackendError, InterpEngineError, LoadError, fix
+from interp_engine.errors import BackendError, LoadError, fix
 from interp_engine.inputs import Prompts
 from interp_engine.spec import Spec
 from interp_engine.taps import Taps
@@ -71,6 +72,7 @@ class VllmRuntime(TokenizerRuntime):
         self._owners: dict[str, _Requests] = {}  # request id -> its call, until its output arrives
         self._life: EngineLife | None = None  # the live engine's processes, watchdog and guard
         self._calls: dict[str, EngineLife] = {}  # call id -> the engine its table went to, until collected
+        self._attached = None  # the engine whose workers adopt tables from requests (ATTACH, once per engine)
 
     @property
     def is_loaded(self) -> bool:
@@ -149,8 +151,8 @@ class VllmRuntime(TokenizerRuntime):
 
     # ------------------------------------------------------------------------------------------- calls
     def _rpc(self, method: str, *args):
-        """An RPC to every worker. A call's INSTALL is its first contact (the model loads if need be); its
-        COLLECT or RELEASE go to the engine that INSTALL reached, or fail if that one is gone: never another."""
+        """An RPC to every worker. A call's COLLECT or RELEASE go to the engine its first contact reached
+        (`_attach`), or fail if that one is gone: never another."""
         if method in (wire.COLLECT, wire.RELEASE):
             life = self._calls.pop(args[0], None)
             if method == wire.RELEASE and (life is None or life.fault is not None):
@@ -158,7 +160,7 @@ class VllmRuntime(TokenizerRuntime):
             if life is None:
                 raise shut_down_error(self.name)
         else:
-            life = self._attach(wire.table_call(args[0]) if method == wire.INSTALL else None)
+            life = self._attach(None)
         with self._engine_lock, self._watched(life):
             return life.llm.collective_rpc(method, args=args)
 
@@ -189,14 +191,11 @@ class VllmRuntime(TokenizerRuntime):
     def _prefill(self, prompts: Prompts, plan: Plan, *, batch_size: int, want_logits: bool,
                  progress: bool = True, lens: tuple[Address, ...] = ()) -> tuple[Tensor | None, dict[Address, Tensor]]:
         """Prefill every prompt once (max_tokens=1) with the call's table installed; vLLM batches them."""
-        from vllm.inputs import tokens_input
-
         reads = list(dict.fromkeys([*plan.reads, *([LOGITS] if want_logits else [])]))
         call = uuid.uuid4().hex
-        with self._table(call, plan, reads, width=max(prompts.lengths), lens=lens):
-            self._run(call, [tokens_input(list(ids), cache_salt=call) for ids in prompts.ids],
-                      [_prefill_params(call, i, len(ids)) for i, ids in enumerate(prompts.ids)],
-                      progress=progress and len(prompts) > 1)
+        with self._table(call):
+            table = self._install(call, plan, reads, width=max(prompts.lengths), lens=lens, prompts=len(prompts))
+            self._run(call, *wire.prefill_requests(call, prompts, table), progress=progress and len(prompts) > 1)
             blob = self._collect(call)
         records = assemble(blob, reads or list(lens), prompts.lengths, lens=bool(lens))
         logits = records.get(LOGITS) if want_logits else None
@@ -210,8 +209,6 @@ class VllmRuntime(TokenizerRuntime):
         requests queued before this one's finish: vLLM's batch does not drain at a chunk's end, and the driver's
         work on a finished chunk (collect, flatten, whatever the consumer does) overlaps the engine's on the
         next. Yields each chunk's reads as flat rows, [its tokens, ...], prompt after prompt, in chunk order."""
-        from vllm.inputs import tokens_input
-
         del batch_size  # vLLM's scheduler batches
         source = iter(chunks)
         flight: collections.deque[tuple[_Requests, Prompts, tuple[Address, ...]]] = collections.deque()
@@ -221,10 +218,9 @@ class VllmRuntime(TokenizerRuntime):
                     prompts, plan = item
                     requests = _Requests(uuid.uuid4().hex)
                     flight.append((requests, prompts, tuple(plan.reads)))
-                    call = requests.call
-                    self._install(call, plan, list(plan.reads), width=max(prompts.lengths))
-                    self._submit(requests, [tokens_input(list(ids), cache_salt=call) for ids in prompts.ids],
-                                 [_prefill_params(call, i, len(ids)) for i, ids in enumerate(prompts.ids)])
+                    table = self._install(requests.call, plan, list(plan.reads), width=max(prompts.lengths),
+                                          prompts=len(prompts))
+                    self._submit(requests, *wire.prefill_requests(requests.call, prompts, table))
                 if not flight:
                     return
                 requests, prompts, reads = flight[0]
@@ -235,7 +231,7 @@ class VllmRuntime(TokenizerRuntime):
         finally:  # an error, or the consumer stopped: nothing of these calls may stay in the engine
             for requests, _, _ in flight:
                 self._abort(requests)
-                self._rpc(wire.RELEASE, requests.call)
+                self._release(requests.call)
 
     def _generate(self, prompts: Prompts, plan: Plan, *, max_new_tokens: int, temperature: float,
                  top_k: int | None, top_p: float | None, seed: int | None, stop_at_eos: bool, batch_size: int,
@@ -250,13 +246,14 @@ class VllmRuntime(TokenizerRuntime):
         tabled = bool(plan.ops or plan.reads)  # a plain request installs nothing (and vllm-generate can't)
         capturing = bool(plan.reads)
         eos = self.eos_id
-        with self._table(call, plan, list(plan.reads)) if tabled else contextlib.nullcontext():
+        with self._table(call) if tabled else contextlib.nullcontext():
+            table = self._install(call, plan, list(plan.reads)) if tabled else None
             params = [SamplingParams(
                 max_tokens=max_new_tokens + capturing, temperature=temperature, top_k=top_k or 0,
                 top_p=top_p or 1.0, seed=None if seed is None else seed + i, detokenize=False,
                 ignore_eos=True, stop_token_ids=[eos] if stop_at_eos and eos is not None and not capturing else None,
                 skip_reading_prefix_cache=tabled, output_kind=RequestOutputKind.FINAL_ONLY,
-                extra_args=wire.tag(call, i, len(ids)) if tabled else None)
+                extra_args=wire.tag(call, i, len(ids), table if i == 0 else None) if tabled else None)
                 for i, ids in enumerate(prompts.ids)]
             outputs = self._run(call, [tokens_input(list(ids), cache_salt=call if tabled else None)
                                        for ids in prompts.ids], params, progress=progress and len(prompts) > 1)
@@ -271,27 +268,34 @@ class VllmRuntime(TokenizerRuntime):
         return new, records
 
     def _collect(self, call: str) -> dict[str, Tensor]:
-        """Rank 0's records, through a file in /dev/shm (same host) rather than the RPC channel."""
+        """Rank 0's records: the file a prefill call was handed back in, else COLLECT's (a generation, another host)."""
         path = wire.result_path(call)
         try:
+            if os.path.exists(path):  # handed back as its last position ran: the workers hold nothing of it
+                self._calls.pop(call, None)
+                return wire.decode(path)
             return wire.decode(wire.result(self._rpc(wire.COLLECT, call, path, wire.host())))
         finally:
-            if os.path.exists(path):
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 
     @contextlib.contextmanager
-    def _table(self, call: str, plan: Plan, reads: list[Address], **kwargs):
-        """The call's table in the workers for the block. `_collect` takes it out with the results (one RPC, not
-        two), so only a failure before that releases it here."""
+    def _table(self, call: str):
+        """A call's table is in the workers until handed back or collected; a failure (an interrupt too) releases it."""
         try:
-            self._install(call, plan, reads, **kwargs)  # inside: an interrupt during the RPC still releases
             yield
         except BaseException:
-            self._rpc(wire.RELEASE, call)
+            self._release(call)
             raise
 
+    def _release(self, call: str) -> None:
+        self._rpc(wire.RELEASE, call)
+        with contextlib.suppress(FileNotFoundError):  # after RELEASE no worker writes it; one written before goes
+            os.unlink(wire.result_path(call))
+
     def _install(self, call: str, plan: Plan, reads: list[Address], width: int = 0,
-                 lens: tuple[Address, ...] = ()) -> None:
+                 lens: tuple[Address, ...] = (), prompts: int = 0) -> dict:
+        """The call's table, for its first request's tag (workers adopt tables once attached: one RPC per engine)."""
         spec = Spec(tuple(dataclasses.replace(op, point=address)
                           for address, group in plan.ops.items() for op in group))
         key = spec.fingerprint()
@@ -300,12 +304,11 @@ class VllmRuntime(TokenizerRuntime):
             self._tables[key] = compiled  # most recent last; serialising large Patch sources once is worth it
             while len(self._tables) > 32:
                 self._tables.pop(next(iter(self._tables)))
-        try:
-            self._rpc(wire.INSTALL, wire.table(call, compiled, key, reads, width=width, lens=lens))
-        except InterpEngineError:
-            raise
-        except Exception as e:  # vLLM's "collective_rpc failed" names neither the call nor a fix
-            raise wire.refused(e) from e
+        life = self._attach(call)  # the call's engine, from here to its end (loaded on a first call)
+        if self._attached is not life.llm:
+            self._rpc(wire.ATTACH)
+            self._attached = life.llm
+        return wire.table(call, compiled, key, reads, width=width, lens=lens, prompts=prompts)
 
     def worker_status(self) -> list[dict]:
         tabled = self.capabilities.points  # vllm-generate installs nothing
@@ -328,7 +331,7 @@ class VllmRuntime(TokenizerRuntime):
         if requests.life is None:
             requests.life = self._calls.get(requests.call) or self._attach(None)
         llm = requests.life.llm
-        with self._engine_lock:
+        with self._engine_lock, self._watched(requests.life):  # a dead engine is reported as such, not as vLLM's
             for prompt, param in zip(inputs, params):
                 request = wire.request_id(requests.call, len(requests.ids))
                 # Recorded before it is added: an interrupt inside add_request still finds it to abort.
@@ -382,17 +385,3 @@ class VllmRuntime(TokenizerRuntime):
         failure becomes a BackendError saying why (dead, stopped, silent, or shut down)."""
         return life.waiting()
 
-
-def _prefill_params(call: str, prompt: int, length: int):
-    """One prompt of a capture: prefill only (one token sampled and dropped), nothing read from the prefix cache
-    (every position must run through the taps), tagged with its call so the workers find its rows.
-
-    Every request of a call with a table is also salted with the call id (`cache_salt`): the KV it writes was
-    computed under the call's edits, and without the salt vLLM's prefix cache would hand it to a later plain
-    request with the same prefix."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, skip_reading_prefix_cache=True,
-                          output_kind=RequestOutputKind.FINAL_ONLY,
-                          extra_args=wire.tag(call, prompt, length))

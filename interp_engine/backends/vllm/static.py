@@ -193,10 +193,16 @@ class StaticExtension(InterpExtension):
         taps = Taps(tuple(map(Address.parse, config["reads"])), tuple(map(Address.parse, config["writes"])))
         runner = self.model_runner
         self._ie_static = StaticTaps(runner, taps, self._ie_calls())
-        compat.wrap_model_forward(runner, self._ie_static.forward)
+        compat.wrap_model_forward(runner, self._ie_forward)
+        self._ie_attached = True
 
-    def ie_install(self, table: dict) -> bool:
-        call = WorkerCall.from_table(table)
+    def _ie_run(self, forward, *args, **kwargs):
+        return self._ie_static.forward(forward, *args, **kwargs)
+
+    def _ie_step_state(self) -> StepState:
+        return self._ie_static.state
+
+    def _ie_check(self, call: WorkerCall) -> None:
         taps = self._ie_static.taps
         for address in call.ops:
             if (problem := taps.refusal(address, write=True)) is not None:
@@ -204,8 +210,6 @@ class StaticExtension(InterpExtension):
         for address in call.reads | call.lens:
             if (problem := taps.refusal(address, write=False)) is not None:
                 raise ValueError(str(problem))
-        self._ie_calls()[table["call"]] = call
-        return True
 
     def ie_status(self) -> dict:
         return {"calls": len(self._ie_calls()), "hooks": 0, "taps": len(self._ie_static.handles)}

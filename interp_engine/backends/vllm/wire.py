@@ -1,46 +1,45 @@
 """The driver/worker protocol of the vLLM backends, written once and imported by both sides.
 
-- Requests of a call carry `extra_args[TAG] = {"call", "prompt", "length"}` (see `tag`); the engine's request
-  ids are `request_id(call, i)`.
-- The driver calls the workers' `InterpExtension` methods by the names below, with plain data: a table
-  (`table`) in, results out.
+- Requests of a call carry `extra_args[TAG] = {"call", "prompt", "length"}` (see `tag`), the first one also
+  the call's table (`table`: plain data); the engine's request ids are `request_id(call, i)`.
+- The driver calls the workers' `InterpExtension` methods by the names below, with plain data.
 - A call that failed in a worker (its failure contained there, the engine serving on) is answered by `COLLECT`
-  with `failure(...)`, `{ERROR: message, IN_SPEC: bool}`, from every rank that failed; `result` turns it into
-  the library's error.
+  with `failure(...)`, `{ERROR: message, IN_SPEC: bool}`, from every rank that failed, or, handed back, by a
+  file holding only that failure (`encode_failure`); `result` and `decode` turn either into the library's error.
 - Results are rows keyed by (prompt, position): per recorded key three tensors, `key|prompt`, `key|pos` and
   `key|value`, where the key is the address (`str(address)`), or `lens:` + the address for a logit-lens read.
-  They travel as safetensors bytes, or, on one host and when large, as a safetensors file the driver names
-  (normally in /dev/shm) and deletes.
+  On the driver's host they travel as a safetensors file the driver names (`result_path`, normally in
+  /dev/shm) and deletes; from another host, as safetensors bytes.
 """
 
 import os
 import socket
 import tempfile
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from interp_engine.addresses import Address
+if TYPE_CHECKING:
+    from interp_engine.inputs import Prompts
+
 from interp_engine.errors import BackendError, SpecError, fix
 
 TAG = "interp_engine"
 CONFIG_KEY = TAG  # vllm-static: the engine's `additional_config` key holding its taps
 
 # RPC methods of `worker.InterpExtension` (names start with ie_ to stay clear of the worker's own).
-INSTALL = "ie_install"
+ATTACH = "ie_attach"
 COLLECT = "ie_collect"
 RELEASE = "ie_release"
 STATUS = "ie_status"
-METHODS = (INSTALL, COLLECT, RELEASE, STATUS)
+METHODS = (ATTACH, COLLECT, RELEASE, STATUS)
 
 ERROR = "interp_engine_error"  # a failed call's COLLECT answer: the message the driver raises
 IN_SPEC = "in_spec"  # ...and whether an op failed (SpecError) rather than a read (BackendError)
 LENS = "lens:"  # key prefix of a logit-lens read (log-probs computed in the worker)
-# Results smaller than this go back through the RPC answer: for them a file's create, write, read and unlink
-# cost more than the bytes do.
-FILE_MIN_BYTES = 4 << 20
 
 
 # ------------------------------------------------------------------------------------------- requests
@@ -49,9 +48,11 @@ def request_id(call: str, index: int) -> str:
     return f"{TAG}-{call}-{index}"
 
 
-def tag(call: str, prompt: int, length: int) -> dict[str, Any]:
-    """A request's `extra_args`: which call it belongs to, which prompt it is and how long that prompt is."""
-    return {TAG: {"call": call, "prompt": prompt, "length": length}}
+def tag(call: str, prompt: int, length: int, table: dict | None = None) -> dict[str, Any]:
+    """A request's `extra_args`: which call it belongs to, which prompt it is and how long that prompt is; the
+    call's first request also carries its table (the scheduler is first come, first served, so the workers
+    see it no later than the call's other requests)."""
+    return {TAG: {"call": call, "prompt": prompt, "length": length, **({"table": table} if table else {})}}
 
 
 def read_tag(extra_args: Mapping | None) -> dict | None:
@@ -60,18 +61,33 @@ def read_tag(extra_args: Mapping | None) -> dict | None:
     return found if isinstance(found, dict) else None
 
 
+def prefill_requests(call: str, prompts: "Prompts", table: dict) -> tuple[list, list]:
+    """A capture's requests: prefill only (one token sampled and dropped), nothing read from the prefix cache (every
+    position must run through the taps), tagged with the call (the first with its table), salted with the call id
+    (`cache_salt`): the KV they write was computed under the call's edits, and a later plain request with the same
+    prefix must not read it."""
+    from vllm import SamplingParams
+    from vllm.inputs import tokens_input
+    from vllm.sampling_params import RequestOutputKind
+
+    params = [SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, skip_reading_prefix_cache=True,
+                             output_kind=RequestOutputKind.FINAL_ONLY,
+                             extra_args=tag(call, i, len(ids), table if i == 0 else None))
+              for i, ids in enumerate(prompts.ids)]
+    return [tokens_input(list(ids), cache_salt=call) for ids in prompts.ids], params
+
+
 # ------------------------------------------------------------------------------------------- tables
 
-def table(call: str, spec: dict, fingerprint: str, reads, *, width: int = 0, lens=()) -> dict[str, Any]:
-    """What `INSTALL` takes: the call id, its spec (`Spec.to_dict`, already validated by the driver, with its
-    fingerprint), the addresses it reads, the padded width of pattern rows, and the addresses it lenses."""
+def table(call: str, spec: dict, fingerprint: str, reads, *, width: int = 0, lens=(), prompts: int = 0
+          ) -> dict[str, Any]:
+    """A call's table: its id, its spec (`Spec.to_dict`, already validated by the driver, with its
+    fingerprint), the addresses it reads, the padded width of pattern rows, the addresses it lenses, and, for a
+    prefill call, how many prompts it has: the workers hand its results back at `result_path(call)` (on the
+    driver's host) once every prompt's last position has run."""
     return {"call": call, "spec": spec, "fingerprint": fingerprint, "reads": [str(a) for a in reads],
-            "width": width, "lens": [str(a) for a in lens]}
-
-
-def table_call(table: dict[str, Any]) -> str:
-    """The call id an INSTALL table belongs to."""
-    return table["call"]
+            "width": width, "lens": [str(a) for a in lens], "prompts": prompts,
+            "path": result_path(call) if prompts else "", "host": host()}
 
 
 # ------------------------------------------------------------------------------------------- failures
@@ -88,21 +104,25 @@ def recording_failed(address: Address | str, error: Exception) -> str:
                "interp_engine bug.")
 
 
-def refused(error: Exception) -> BackendError:
-    """Driver side: the library's error for workers that refused a call's table (`INSTALL` raised)."""
-    return BackendError(fix(f"the vLLM workers refused this call's table ({error}); the engine serves on.",
-                            "this request passed the checks before it, so please report it (with Spec.to_dict()) "
-                            'as an interp_engine bug; backend="eager" runs it.'))
+def refused(error: Exception) -> str:
+    """Worker side: why a call's table was refused (the driver's checks passed it), as its failure message."""
+    return fix(f"the vLLM workers refused this call's table ({type(error).__name__}: {error}).",
+               "this request passed the checks before it, so please report it (with Spec.to_dict()) as an "
+               'interp_engine bug; backend="eager" runs it.')
 
 
 def result(answers: list) -> bytes | str:
     """Driver side: rank 0's `COLLECT` answer, or the library's error for a call any rank failed."""
     for answer in answers:
         if isinstance(answer, Mapping) and isinstance(answer.get(ERROR), str):
-            kind = SpecError if answer.get(IN_SPEC) else BackendError
-            raise kind(f"This call failed inside the vLLM workers (only it: the engine goes on serving other "
-                       f"calls). {answer[ERROR]}")
+            raise _failed(answer[ERROR], bool(answer.get(IN_SPEC)))
     return answers[0]
+
+
+def _failed(message: str, in_spec: bool) -> Exception:
+    kind = SpecError if in_spec else BackendError
+    return kind(f"This call failed inside the vLLM workers (only it: the engine goes on serving other calls). "
+                f"{message}")
 
 
 # ------------------------------------------------------------------------------------------- results
@@ -112,8 +132,8 @@ def key(address: Address | str, *, lens: bool = False) -> str:
 
 
 def encode(records: Mapping[str, list[tuple[Tensor, Tensor, Tensor]]], *, path: str = "") -> bytes | str:
-    """Worker side: per key, (prompt, position, value) chunks -> safetensors bytes, or, with `path` and at
-    least FILE_MIN_BYTES, a file at `path` whose name is returned."""
+    """Worker side: per key, (prompt, position, value) chunks -> safetensors bytes, or, with `path`, a file
+    there whose name is returned."""
     from safetensors.torch import save, save_file
 
     join = lambda parts: parts[0] if len(parts) == 1 else torch.cat(parts)  # noqa: E731
@@ -122,18 +142,30 @@ def encode(records: Mapping[str, list[tuple[Tensor, Tensor, Tensor]]], *, path: 
         out[f"{name}|prompt"] = torch.cat([c[0] for c in chunks])  # small; shared by every address
         out[f"{name}|pos"] = torch.cat([c[1] for c in chunks])
         out[f"{name}|value"] = join([c[2] for c in chunks]).contiguous()
-    if path and sum(t.nbytes for t in out.values()) >= FILE_MIN_BYTES:
+    if path:
         save_file(out, path)
         return path
     return save(out) if out else b""
 
 
+def encode_failure(message: str, *, in_spec: bool, path: str) -> None:
+    """Worker side: a handed-back call that failed (rank 0's view: every rank runs the same ops on the same
+    gathered rows) leaves its failure where its records would be, for `decode` to raise."""
+    from safetensors.torch import save_file
+
+    save_file({}, path, metadata={ERROR: message, IN_SPEC: "1" if in_spec else ""})
+
+
 def decode(answer: bytes | str) -> dict[str, Tensor]:
-    """Driver side: what `encode` returned -> the flat tensor dict."""
-    from safetensors.torch import load, load_file
+    """Driver side: what `encode` returned -> the flat tensor dict (a failure file raises the call's error)."""
+    from safetensors import safe_open
+    from safetensors.torch import load
 
     if isinstance(answer, str) and answer:
-        return load_file(answer)
+        with safe_open(answer, "pt") as f:
+            if ERROR in (meta := f.metadata() or {}):
+                raise _failed(meta[ERROR], bool(meta.get(IN_SPEC)))
+            return {name: f.get_tensor(name) for name in f.keys()}
     return load(answer) if answer else {}
 
 
@@ -165,18 +197,37 @@ def assemble(flat: dict[str, Tensor], reads: list[Address], lengths: tuple[int, 
 
     With `offsets`, row `offsets[i] + j` of prompt i lands at column j (generated positions)."""
     width = max(max(lengths), 1)
+    starts = torch.tensor((0, *lengths)).cumsum(0)
     out = {}
     for address in reads:
         prompt, pos, value = rows(flat, address, lens=lens)
+        patterns = address.info.pos_axis == 2 and not lens
+        if offsets is None and not patterns and len(pos) == int(starts[-1]) and \
+                torch.equal(starts[prompt] + pos, torch.arange(len(pos))):
+            # Each prompt's rows once, in order (the usual case): a view, or one copy per prompt where ragged.
+            # The index_put below is a parallel op in the driver; on a busy machine its threads stall the call.
+            out[address] = _padded(value, lengths, width)
+            continue
         if offsets is not None:
             pos = pos - torch.tensor(offsets)[prompt]
         keep = (pos >= 0) & (pos < torch.tensor(lengths)[prompt])
         full = torch.zeros((len(lengths), width, *value.shape[1:]), dtype=value.dtype)
         full[prompt[keep], pos[keep]] = value[keep]
         # Pattern rows arrive as [q, heads, k]; the point's axes are batch n_heads q_pos k_pos.
-        patterns = address.info.pos_axis == 2 and not lens
         out[address] = full.permute(0, 2, 1, 3).contiguous() if patterns else full
     return out
+
+
+def _padded(value: Tensor, lengths: tuple[int, ...], width: int) -> Tensor:
+    """Rows of prompt after prompt, each whole -> [n_prompts, width, ...], zeros past each end."""
+    if all(n == width for n in lengths):
+        return value.view(len(lengths), width, *value.shape[1:])
+    full = value.new_zeros((len(lengths), width, *value.shape[1:]))
+    start = 0
+    for i, n in enumerate(lengths):
+        full[i, :n] = value[start:start + n]
+        start += n
+    return full
 
 
 def flatten(flat: dict[str, Tensor], reads: tuple[Address, ...], lengths: tuple[int, ...]) -> dict[Address, Tensor]:

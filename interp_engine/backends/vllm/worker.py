@@ -1,10 +1,13 @@
 """The worker side: a `worker_extension_cls` mixed into every vLLM worker.
 
-The driver sends each call's hook table as plain data (`wire.INSTALL`), tags its requests (`wire.tag`), and
-fetches results (`wire.COLLECT`, `wire.encode`). Hooks exist only while at least one call is installed. Each
-step, the rows of the flattened batch are mapped back to (call, prompt, position) from the model runner, and
-every call's ops run on its own rows only, through the same `edits.apply` the eager backend uses. The hooks
-are built from the site table (`sites.py`), gathering tensor-parallel shards before editing (`shards.py`).
+A call's hook table (plain data, `wire.table`) travels in its first request's tag (`wire.tag`): before each
+forward the worker adopts the tables of the step's requests, so installing costs no round trip. A prefill call
+is handed back when every prompt's last position has run: rank 0 writes its records to the file the driver
+named, and the call is removed, before the step's outputs reach the driver. Generation, and a driver on another
+host, collect with `wire.COLLECT`. Hooks exist only while at least one call is installed. Each step, the rows of
+the flattened batch are mapped back to (call, prompt, position) from the model runner, and every call's ops run
+on its own rows only, through the same `edits.apply` the eager backend uses. The hooks are built from the site
+table (`sites.py`), gathering tensor-parallel shards before editing (`shards.py`).
 """
 
 from dataclasses import dataclass, field
@@ -32,6 +35,9 @@ class WorkerCall:
     reads: frozenset[Address]
     width: int = 0  # longest prompt: attention-pattern rows are padded to it
     lens: frozenset[Address] = frozenset()  # points read through the final norm and unembedding, here
+    prompts: int = 0  # a prefill call's prompts, handed back once each one's last position has run; 0: collected
+    path: str = ""  # where rank 0 writes a handed-back call's records (the driver's host only)
+    ended: set[int] = field(default_factory=set)  # prompts whose last position has run
     records: dict[Address | str, list[tuple[Tensor, Tensor, Tensor]]] = field(default_factory=dict)
     keys: dict[tuple[int, int], list[tuple[Tensor, Tensor]]] = field(default_factory=dict)  # (prompt, layer)
     # Why this call failed in this worker, if it did: from then on its ops are skipped (its rows go through
@@ -51,8 +57,11 @@ class WorkerCall:
         ops: dict[Address, list] = {}
         for op in spec.ops:
             ops.setdefault(op.point, []).append(op)
+        # A worker on another host than the driver cannot hand a file over: its results wait for COLLECT.
+        path = str(table.get("path", "")) if wire.same_host(table.get("host", "")) else ""
         return cls({a: tuple(o) for a, o in ops.items()}, frozenset(Address.parse(r) for r in table["reads"]),
-                   int(table.get("width", 0)), frozenset(Address.parse(r) for r in table.get("lens", ())))
+                   int(table.get("width", 0)), frozenset(Address.parse(r) for r in table.get("lens", ())),
+                   int(table.get("prompts", 0)), path)
 
     def wants(self, address: Address) -> bool:
         return address in self.ops or address in self.reads or address in self.lens
@@ -74,35 +83,38 @@ class Active:
     whole: bool = False  # rows are 0..n-1 of the step, in order: use the tensor as it is
     prompts_cpu: Tensor | None = None  # the step's (prompt, position) of each row, copied to the host once
     positions_cpu: Tensor | None = None
+    ended: tuple[int, ...] = ()  # prompts whose last position is in this step
 
 
 class InterpExtension:
     """Methods callable by name through `collective_rpc` (the names are `wire.METHODS`)."""
 
-    def ie_install(self, table: dict) -> bool:
-        calls = self._ie_calls()
-        calls[table["call"]] = WorkerCall.from_table(table)
-        self._ie_rehook()
+    def ie_attach(self) -> bool:
+        """Once per engine: run `_ie_forward` around every forward of the model (vllm-static does at load)."""
+        if not getattr(self, "_ie_attached", False):
+            compat.wrap_model_forward(self.model_runner, self._ie_forward)
+            self._ie_attached = True
         return True
 
     def ie_collect(self, call_id: str, path: str = "", host: str = "") -> bytes | str:
-        """A call's results, and its removal. Rank 0 answers; other ranks return empty bytes. With `path` (a
-        file the driver can read, normally in /dev/shm), the driver on this host and results of at least
-        wire.FILE_MIN_BYTES, the results go there and the path comes back: far cheaper than pushing hundreds of
-        MB through the RPC channel. Smaller results, and a worker on another node (Ray, multi-node), answer
-        with bytes."""
+        """A call's results, and its removal (generation; a prefill call not handed back). Rank 0 answers, other
+        ranks return empty bytes: on the driver's host (`host`) through the file at `path` (far cheaper than
+        pushing hundreds of MB through the RPC channel), else as bytes. A table this worker refused raises its
+        failure."""
+        if (problem := self._ie_refused().pop(call_id, None)) is not None:
+            return wire.failure(problem, in_spec=False)
         call = self._ie_calls().pop(call_id, None)
         self._ie_rehook()
         if call is not None and call.error:  # from any rank: the driver fails the call if any rank did
             return wire.failure(call.error, in_spec=call.error_in_spec)
         if call is None or compat.tp_rank() != 0:
             return b""
-        records = {wire.key(a) if isinstance(a, Address) else a: chunks for a, chunks in call.records.items()}
-        return wire.encode(records, path=path if wire.same_host(host) else "")
+        return wire.encode(_records(call), path=path if wire.same_host(host) else "")
 
     def ie_release(self, call_id: str) -> bool:
-        self._ie_calls().pop(call_id, None)
-        self._ie_rehook()
+        self._ie_refused().pop(call_id, None)
+        if self._ie_calls().pop(call_id, None) is not None:
+            self._ie_rehook()
         return True
 
     def ie_status(self) -> dict:
@@ -115,13 +127,80 @@ class InterpExtension:
             self._ie_table = {}
         return self._ie_table
 
+    def _ie_refused(self) -> dict[str, str]:
+        if not hasattr(self, "_ie_problems"):
+            self._ie_problems = {}
+        return self._ie_problems
+
     def _ie_rehook(self) -> None:
         for handle in getattr(self, "_ie_handles", []):
             handle.remove()
-        self._ie_handles = []
+        self._ie_handles, self._ie_state = [], None
         calls = self._ie_calls()
         if calls:
-            self._ie_handles = install(self.model_runner, calls)
+            self._ie_state, self._ie_handles = install(self.model_runner, calls)
+
+    def _ie_step_state(self) -> "StepState | None":
+        return getattr(self, "_ie_state", None)
+
+    def _ie_check(self, call: WorkerCall) -> None:
+        """vllm-static refuses a table its taps cannot serve."""
+
+    def _ie_forward(self, forward, *args, **kwargs):
+        """One forward: adopt the tables the step's requests carry, run, hand back the prefill calls it ended."""
+        self._ie_adopt()
+        state = self._ie_step_state()
+        if state is not None:
+            state.active = []  # a step without installed calls maps no rows: nothing of an earlier step stays
+        out = self._ie_run(forward, *args, **kwargs)
+        if state is not None and state.active:
+            self._ie_hand_back(state)
+        return out
+
+    def _ie_run(self, forward, *args, **kwargs):
+        return forward(*args, **kwargs)
+
+    def _ie_adopt(self) -> None:
+        calls, refused, added = self._ie_calls(), self._ie_refused(), False
+        runner = self.model_runner
+        for request in compat.step_requests(runner)[0]:
+            tag = wire.read_tag(compat.request_extra_args(runner, request))
+            table = None if tag is None else tag.get("table")
+            if table is None or tag["call"] in calls or tag["call"] in refused:
+                continue
+            try:
+                call = WorkerCall.from_table(table)
+                self._ie_check(call)
+            except Exception as e:  # raising inside the step would kill the engine: the driver's COLLECT raises it
+                refused[tag["call"]] = wire.refused(e)
+                continue
+            calls[tag["call"]], added = call, True
+        if added:
+            self._ie_rehook()
+
+    def _ie_hand_back(self, state: "StepState") -> None:
+        """Prefill calls whose every prompt has ended: rank 0 writes their records where the driver looks, and
+        every rank removes them (each sees the same schedule), before the driver sees their outputs."""
+        calls, done = self._ie_calls(), []
+        for active in state.active:
+            call = active.call
+            if call.prompts and call.path:
+                call.ended.update(active.ended)
+                if len(call.ended) == call.prompts:
+                    done.append(call)
+        if not done:
+            return
+        for call_id in [c for c, call in calls.items() if any(call is d for d in done)]:
+            call = calls.pop(call_id)
+            if compat.tp_rank() == 0 and call.error:
+                wire.encode_failure(call.error, in_spec=call.error_in_spec, path=call.path)
+            elif compat.tp_rank() == 0:
+                wire.encode(_records(call), path=call.path)
+        self._ie_rehook()
+
+
+def _records(call: WorkerCall) -> dict[str, list]:
+    return {wire.key(a) if isinstance(a, Address) else a: chunks for a, chunks in call.records.items()}
 
 
 def layout_of(runner):
@@ -172,8 +251,9 @@ class StepState:
             last = torch.where(pos < length, length - 1, pos)
             step = Step(pos[None], last[None], length[None], torch.cat(prompts).to(device)[None])
             whole = len(rows) == len(positions) and bool((rows == torch.arange(len(rows), device=device)).all())
-            self.active.append(Active(self.calls[call_id], rows, step, whole, step.prompt_index[0].cpu(),
-                                      pos.cpu()))
+            prompts_cpu, pos_cpu = step.prompt_index[0].cpu(), pos.cpu()
+            ended = prompts_cpu[pos_cpu == torch.cat(lengths) - 1].tolist()
+            self.active.append(Active(self.calls[call_id], rows, step, whole, prompts_cpu, pos_cpu, tuple(ended)))
 
     def touch(self, address: Address, x: Tensor) -> Tensor:
         """x is [rows, ...]: apply each call's ops on its rows and record its reads. Out of place; returns x
@@ -227,8 +307,8 @@ class StepState:
             call.fail(wire.recording_failed(address, e), in_spec=False)
 
 
-def install(runner, calls: dict[str, WorkerCall]) -> list:
-    """Register the hooks these calls need on the runner's model; return their handles."""
+def install(runner, calls: dict[str, WorkerCall]) -> tuple[StepState, list]:
+    """Register the hooks these calls need on the runner's model; return the step state and their handles."""
     layout = layout_of(runner)
     model = compat.model(runner)
     state = StepState(runner, calls)
@@ -242,7 +322,7 @@ def install(runner, calls: dict[str, WorkerCall]) -> list:
             handles += _hook(site, layer, i, layout, state, needed, model)
     for site in MODEL_SITES:
         handles += _hook(site, model, None, layout, state, needed, model)
-    return handles
+    return state, handles
 
 
 def _hook(site: Site, root, layer: int | None, layout, state: StepState, needed: set, model) -> list:
