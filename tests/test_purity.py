@@ -7,6 +7,7 @@ import torch
 
 from interp_engine import capture, steer
 from interp_engine import spec as S
+from interp_engine.errors import SpecError
 from tests.conftest import PROMPTS, assert_pure
 
 
@@ -17,8 +18,10 @@ def test_exception_inside_a_custom_edit_leaves_nothing_behind(eager):
     def broken(x):
         raise RuntimeError("user bug")
 
-    with pytest.raises(RuntimeError, match="user bug"):
+    # The user's own exception comes out as the library's error naming it, with the original chained as its cause.
+    with pytest.raises(SpecError, match="user bug") as caught:
         capture(model, PROMPTS, ["resid_post.1", "q.0"], S.Custom("mlp_act.1", broken))
+    assert isinstance(caught.value.__cause__, RuntimeError)
     assert torch.equal(steer(model, PROMPTS, S.Spec()), before)
 
 

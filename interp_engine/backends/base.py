@@ -5,6 +5,7 @@ Code outside `interp_engine/backends/` and `selection.py` never compares backend
 `capabilities` (or, before loading, `interp_engine.backends.capabilities(name)`).
 """
 
+import contextlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -74,6 +75,10 @@ class Runtime(Protocol):
 
     def unload(self) -> None: ...
 
+    def calling(self) -> contextlib.AbstractContextManager:
+        """A public call's span on its thread: a call that began before `unload()` must not load again."""
+        ...
+
     def tokenize(self, text: str, *, prepend_bos: bool = True) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
@@ -111,6 +116,9 @@ class TokenizerRuntime:
     """Text <-> ids with the checkpoint's own tokenizer; BOS handled the same way on every backend."""
 
     tokenizer = None
+
+    def calling(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # loading again under a running call is harmless where calls never wait
 
     def tokenize(self, text: str, *, prepend_bos: bool = True) -> list[int]:
         ids = list(self.tokenizer(text, add_special_tokens=True)["input_ids"])

@@ -77,7 +77,8 @@ def checked_arguments(function: Callable) -> Callable:
                 remedy = _REMEDIES.get(name, f"pass {name}= as {_plain(hint)}.").format(verb=verb)
                 raise InputTypeError(fix(f"{verb}(): {name}={shown} is not what {name} takes.", remedy))
         try:
-            return function(*args, **kwargs)
+            with bound.arguments["model"].runtime.calling():
+                return function(*args, **kwargs)
         except TypeCheckError as e:
             # is_bearable above checks one element of a list, picked at random, and so does the decorator: on a
             # list with one bad element the two picks can differ. Only the parameter check is turned into ours.

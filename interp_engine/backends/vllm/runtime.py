@@ -70,6 +70,8 @@ class VllmRuntime(TokenizerRuntime):
         # time. Calls from several threads interleave there, so their requests share vLLM's batches.
         self._engine_lock = threading.Lock()
         self._owners: dict[str, _Requests] = {}  # request id -> its call, until its output arrives
+        # Bumped by unload: a call that entered before a shutdown() fails rather than load the engine again.
+        self._epoch, self._entered = 0, threading.local()
         self._life: EngineLife | None = None  # the live engine's processes, watchdog and guard
         self._calls: dict[str, EngineLife] = {}  # call id -> the engine its table went to, until collected
         self._attached = None  # the engine whose workers adopt tables from requests (ATTACH, once per engine)
@@ -130,6 +132,7 @@ class VllmRuntime(TokenizerRuntime):
 
         procs, self._procs = self._procs, []
         life, self._life = self._life, None
+        self._epoch += 1
         self._owners.clear()
         # A faulted engine's processes have nothing to finish: give them 2 s, not 20, before they are killed.
         grace = 20 if life is None or life.fault is None else 2
@@ -161,11 +164,14 @@ class VllmRuntime(TokenizerRuntime):
                 raise shut_down_error(self.name)
         else:
             life = self._attach(None)
-        with self._engine_lock, self._watched(life):
+        with self._engine_lock, life.waiting():
             return life.llm.collective_rpc(method, args=args)
 
     def _attach(self, call: str | None) -> EngineLife:
-        """The engine for a call's first contact, loaded if need be, and remembered for the call's table."""
+        """The engine for a call's first contact, loaded if need be (unless the call entered before a
+        shutdown()), and remembered for the call's table."""
+        if getattr(self._entered, "epoch", None) not in (None, self._epoch):
+            raise shut_down_error(self.name)
         self.load()
         life = self._life
         if life is None:  # shutdown() came between the load and here
@@ -173,6 +179,16 @@ class VllmRuntime(TokenizerRuntime):
         if call is not None:
             self._calls[call] = life
         return life
+
+    @contextlib.contextmanager
+    def calling(self):
+        """A public call's span on this thread: if shutdown() runs meanwhile, the call fails, never loads again."""
+        outer = getattr(self._entered, "epoch", None)
+        self._entered.epoch = self._epoch if outer is None else outer
+        try:
+            yield
+        finally:
+            self._entered.epoch = outer
 
     def forward(self, prompts: Prompts, plan: Plan, **kwargs) -> tuple[Tensor | None, dict[Address, Tensor]]:
         return self._prefill(prompts, plan, **kwargs)
@@ -331,7 +347,7 @@ class VllmRuntime(TokenizerRuntime):
         if requests.life is None:
             requests.life = self._calls.get(requests.call) or self._attach(None)
         llm = requests.life.llm
-        with self._engine_lock, self._watched(requests.life):  # a dead engine is reported as such, not as vLLM's
+        with self._engine_lock, requests.life.waiting():  # a dead engine is reported as such, not as vLLM's
             for prompt, param in zip(inputs, params):
                 request = wire.request_id(requests.call, len(requests.ids))
                 # Recorded before it is added: an interrupt inside add_request still finds it to abort.
@@ -353,7 +369,7 @@ class VllmRuntime(TokenizerRuntime):
         bar = tqdm(total=len(requests.ids), desc="Processed prompts", disable=not progress, dynamic_ncols=True)
         with bar:
             while requests.waiting:
-                with self._engine_lock, self._watched(life):  # checked after the lock: the thread that
+                with self._engine_lock, life.waiting():  # checked after the lock: the thread that
                     if not requests.waiting:  # held it may have failed on a faulted engine
                         break
                     for out in compat.step(llm):
@@ -379,9 +395,4 @@ class VllmRuntime(TokenizerRuntime):
         if life is None or life.fault is not None:
             return False
         return not compat.is_engine_dead(life.llm) and running(life.procs)
-
-    def _watched(self, life: EngineLife):
-        """Around a blocking engine call: the engine's watchdog wakes it if the engine faults, and the
-        failure becomes a BackendError saying why (dead, stopped, silent, or shut down)."""
-        return life.waiting()
 
