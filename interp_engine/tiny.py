@@ -47,12 +47,16 @@ _BASE: dict[str, dict[str, Any]] = {
                      tie_word_embeddings=False),
     "phi": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
                 num_key_value_heads=4, max_position_embeddings=512, partial_rotary_factor=0.5),
-    # Gemma 3 1B's shape scaled down: one KV head, query_pre_attn_scalar = head_dim, tied embeddings, no softcaps,
-    # and its 5:1 sliding:global pattern shortened to 2:1 so that both layer kinds (and rotary bases) are covered.
+    # Gemma 3 1B's shape scaled down: one KV head, query_pre_attn_scalar = head_dim, tied embeddings, no softcaps;
+    # its 5:1 sliding:global pattern shortened to 2:1 so that both layer kinds are covered, each with its rotary
+    # base, the global one linearly scaled by 8 as in the 4B-27B checkpoints.
     "gemma3_text": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
                         num_key_value_heads=1, head_dim=32, max_position_embeddings=512, sliding_window=8,
                         query_pre_attn_scalar=32, tie_word_embeddings=True,
-                        layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+                        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                            "rope_theta": 1_000_000.0},
+                                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}),
     # OLMo-2-1124-7B's shape scaled down (GQA added so that k_norm's width differs from q_norm's).
     "olmo2": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False),
