@@ -145,7 +145,8 @@ def vllm_support(config, source: str) -> str | None:
     `architectures`, and interp_engine knows where the points live in it (a `VllmLayout` for the family)."""
     arch = arch_for(config, name=source)
     if arch.vllm is None:
-        return (f"interp_engine has no vLLM layout for {config.model_type!r} models yet "
+        why = f": {arch.vllm_refusal}" if arch.vllm_refusal else " yet"
+        return (f"interp_engine has no vLLM layout for {config.model_type!r} models{why} "
                 f"(its vLLM backends serve {', '.join(vllm_model_types())})")
     architectures = list(getattr(config, "architectures", None) or [])
     if not architectures:

@@ -88,4 +88,11 @@ LAYOUTS: dict[str, Layout] = {
                        + _mlp(True, gated=False), (_LN,) * 2, _LN),
     "phi": Layout(_attention(True, True) + _mlp(True, gated=False), (_LN,) + (Norm("head", True, "qk_layernorm"),) * 2,
                   _LN, lm_head_bias=True),
+    "gemma3_text": Layout(_attention("attention_bias", "attention_bias") + _mlp(False, gated=True),
+                          (_RMS,) * 4 + (Norm("d_head"),) * 2, _RMS),
+    "olmo2": Layout(_attention("attention_bias", "attention_bias") + _mlp(False, gated=True),
+                    (_RMS, _RMS, Norm("q"), Norm("kv")), _RMS),
+    # Fused projections: one q+k+v matrix and one gate+up matrix, as the checkpoint (and vLLM) holds them.
+    "phi3": Layout((Linear("d_model", "q_kv"), Linear("q", "d_model"), Linear("d_model", "2d_mlp"),
+                    Linear("d_mlp", "d_model")), (_RMS,) * 2, _RMS),
 }

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gpt2", "gpt_neox", "phi")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gpt2", "gpt_neox", "phi", "gemma3_text", "olmo2", "phi3")
 
 # A short corpus is enough: the tokenizer only needs real merges so that text round-trips.
 _CORPUS = """
@@ -47,6 +47,22 @@ _BASE: dict[str, dict[str, Any]] = {
                      tie_word_embeddings=False),
     "phi": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
                 num_key_value_heads=4, max_position_embeddings=512, partial_rotary_factor=0.5),
+    # Gemma 3 1B's shape scaled down: one KV head, query_pre_attn_scalar = head_dim, tied embeddings, no softcaps;
+    # its 5:1 sliding:global pattern shortened to 2:1 so that both layer kinds are covered, each with its rotary
+    # base, the global one linearly scaled by 8 as in the 4B-27B checkpoints.
+    "gemma3_text": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                        num_key_value_heads=1, head_dim=32, max_position_embeddings=512, sliding_window=8,
+                        query_pre_attn_scalar=32, tie_word_embeddings=True,
+                        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                            "rope_theta": 1_000_000.0},
+                                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}),
+    # OLMo-2-1124-7B's shape scaled down (GQA added so that k_norm's width differs from q_norm's).
+    "olmo2": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False),
+    # Phi-3-medium's GQA layout scaled down; no sliding window (Phi-3-mini-4k's 2047 is past any test prompt).
+    "phi3": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=512, sliding_window=None, tie_word_embeddings=False),
 }
 
 

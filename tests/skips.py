@@ -1,6 +1,7 @@
 """Every reason a test may skip, in one place. Use `requires(...)` so the reason is printed (pytest -ra)."""
 
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -12,6 +13,8 @@ REASONS = {
                     "(bitsandbytes 0.48+ runs on CPUs too)",
     "vllm-bnb": "vllm-bnb-plugin or bitsandbytes is not installed: bnb-4bit on vLLM 0.32 needs the out-of-tree "
                 "plugin (pip install --no-deps vllm-bnb-plugin bitsandbytes)",
+    "slow": "INTERP_ENGINE_SLOW=1 is not set: vllm-static's per-family compile (about 50-70 s on 2 shared cores) "
+            "of the newer families runs only with it (and in validator/comparison/run_all_models.sh)",
 }
 
 
@@ -22,6 +25,8 @@ def _available(name: str) -> bool:
         return importlib.util.find_spec("vllm") is not None
     if name == "bitsandbytes":
         return all(importlib.util.find_spec(m) is not None for m in ("bitsandbytes", "accelerate"))
+    if name == "slow":
+        return os.environ.get("INTERP_ENGINE_SLOW") == "1"
     if name == "vllm-bnb":
         return all(importlib.util.find_spec(m) is not None for m in ("vllm", "vllm_bnb_plugin", "bitsandbytes"))
     raise KeyError(name)

@@ -8,8 +8,10 @@ from tests.conftest import PROMPTS
 # The output projection of attention per family: z -> (this) -> attention's contribution before extra norms.
 O_PROJ = {"llama": "self_attn.o_proj", "mistral": "self_attn.o_proj", "qwen2": "self_attn.o_proj",
           "qwen3": "self_attn.o_proj", "gemma2": "self_attn.o_proj", "gpt2": "attn.c_proj",
-          "gpt_neox": "attention.dense", "phi": "self_attn.dense"}
-POST_NORMS = {"gemma2": ("post_attention_layernorm", "post_feedforward_layernorm")}
+          "gpt_neox": "attention.dense", "phi": "self_attn.dense",
+          "gemma3_text": "self_attn.o_proj", "olmo2": "self_attn.o_proj", "phi3": "self_attn.o_proj"}
+POST_NORMS = {family: ("post_attention_layernorm", "post_feedforward_layernorm")
+              for family in ("gemma2", "gemma3_text", "olmo2")}
 ATOL = 1e-5
 
 

@@ -75,6 +75,9 @@ _VARIATIONS = {
     "gpt2": [{"n_inner": None}, {"tie_word_embeddings": False}, {"n_positions": 1024}],
     "gpt_neox": [{"tie_word_embeddings": True}, {"attention_bias": False}, {"intermediate_size": 512}],
     "phi": [{"qk_layernorm": True}, {"tie_word_embeddings": True}, {"num_key_value_heads": 2}],
+    "gemma3_text": [{"tie_word_embeddings": False}, {"head_dim": 64, "num_key_value_heads": 4}],
+    "olmo2": [{"tie_word_embeddings": True}, {"num_key_value_heads": 4}],
+    "phi3": [{"tie_word_embeddings": True}, {"num_key_value_heads": 4}],
 }
 _CASES = [(f, {}) for f in FAMILIES] + [(f, v) for f in FAMILIES for v in _VARIATIONS[f]]
 

@@ -39,6 +39,7 @@ class Arch:
     mid_norm: str | None = None  # sequential blocks: the norm whose input is resid_mid (the MLP's input norm)
     d_mlp_keys: tuple[str, ...] = ("intermediate_size",)
     vllm: VllmLayout | None = None  # None: the vLLM backends do not serve this family yet
+    vllm_refusal: str | None = None  # why not, where it is known (said in the refusal)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,10 +98,10 @@ def read_dims(config, arch: Arch) -> Dims:
 
 
 def _registry() -> dict[str, Arch]:
-    from interp_engine.arch import gemma2, gpt2, gpt_neox, llama, phi
+    from interp_engine.arch import gemma2, gemma3, gpt2, gpt_neox, llama, olmo2, phi, phi3
 
     table: dict[str, Arch] = {}
-    for module in (llama, gemma2, gpt2, gpt_neox, phi):
+    for module in (llama, gemma2, gemma3, gpt2, gpt_neox, phi, phi3, olmo2):
         for arch in module.ARCHES:
             for model_type in arch.model_types:
                 table[model_type] = arch
