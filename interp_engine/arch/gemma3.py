@@ -3,29 +3,9 @@ per head inside attention (q and k are read after them and after rotary); slidin
 `layer_types` says, each with its own rotary base; embeddings scaled by sqrt(d_model) inside the embedding
 module, so `embed` is the scaled one (what layer 0 reads). No softcapping in the published configs."""
 
-from interp_engine.arch import Arch, VllmLayout
+import dataclasses
 
-ARCHES = (
-    Arch(
-        family="gemma3",
-        model_types=("gemma3_text",),
-        layers="model.layers",
-        final_norm="model.norm",
-        unembed="lm_head",
-        attention="self_attn",
-        attn_out="post_attention_layernorm",
-        mlp_out="post_feedforward_layernorm",
-        mlp_down="mlp.down_proj",
-        mid_norm="pre_feedforward_layernorm",
-        vllm=VllmLayout(
-            layers="model.layers",
-            final_norm="model.norm",
-            attention="self_attn.attn",
-            o_proj="self_attn.o_proj",
-            attn_out="post_attention_layernorm",
-            mlp_out="post_feedforward_layernorm",
-            mlp_down="mlp.down_proj",
-            mid_norm="pre_feedforward_layernorm",
-        ),
-    ),
-)
+from interp_engine.arch import gemma2
+
+# The same module paths as Gemma-2's, in HF and in vLLM: one layout, its own family name.
+ARCHES = (dataclasses.replace(gemma2.ARCHES[0], family="gemma3", model_types=("gemma3_text",)),)
