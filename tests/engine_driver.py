@@ -3,7 +3,8 @@
 It loads MODEL_DIR on vllm, prints `pids <engine pids>` and then, by MODE:
 - `idle`: waits to be killed (SIGKILL: its engine must not outlive it);
 - `interrupts`: captures in a loop; after each Ctrl-C (KeyboardInterrupt) the next capture must equal the solo
-  one (prints `ok i` or `bad i`); after N interrupts it shuts down and prints `closed`.
+  one (prints `ok i` or `bad i`; `error i ...` and the traceback on stderr for anything else raised); after N
+  interrupts it shuts down and prints `closed`.
 """
 
 import asyncio
@@ -36,11 +37,19 @@ def main(mode: str, folder: str, n: int = 0) -> None:
             while True:
                 capture(model, PROMPTS * 16, POINTS, progress=False)  # 48 sends a call: Ctrl-C lands in some
         except KeyboardInterrupt:
+            pass
+        except Exception as e:  # anything but the interrupt is a failure the test must name
+            say("error", done, type(e).__name__, *str(e).split()[:40])
+            raise
+        try:
             got = capture(model, PROMPTS, POINTS, progress=False)
-            same = all(torch.equal(got[k], expected[k]) for k in expected)
-            same = same and model.runtime.llm.llm_engine.get_num_unfinished_requests() == 0
-            say("ok" if same else "bad", done)
-            done += 1
+        except BaseException as e:
+            say("error", done, "after the interrupt:", type(e).__name__, *str(e).split()[:40])
+            raise
+        same = all(torch.equal(got[k], expected[k]) for k in expected)
+        same = same and model.runtime.llm.llm_engine.get_num_unfinished_requests() == 0
+        say("ok" if same else "bad", done)
+        done += 1
     asyncio.run(model.shutdown())
     say("closed")
 

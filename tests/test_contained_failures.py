@@ -195,10 +195,9 @@ def test_a_call_failing_in_the_workers_fails_alone(engine):
 
 
 @requires("vllm")
+@pytest.mark.parametrize("engine", ["vllm-static"], indirect=True)  # only its workers refuse a table
 def test_a_table_the_workers_refuse_gets_the_library_error(engine):
     """vllm-static's workers refuse a write at a point not compiled in; the driver's checks are skipped here."""
-    if engine.capabilities.taps is None:
-        pytest.skip("only vllm-static's workers refuse tables (at undeclared points)")
     solo = capture(engine, OTHER, ["resid_post.2"], progress=False)["resid_post.2"]
     plan = Plan({Address("resid_post", 1): (S.Scale("resid_post.1", 2.0),)}, (Address("resid_post", 2),))
     message = _library_error(lambda: engine.runtime.forward(_prompts(engine, PROMPT), plan, batch_size=1,

@@ -12,12 +12,14 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 from interp_engine import BackendError, capture, load_model
 from interp_engine.backends.vllm import life
@@ -139,7 +141,7 @@ def test_shutdown_under_running_calls_fails_them_promptly_and_starts_no_engine(t
     _shut(model, before)  # a call made after shutdown() loads afresh (documented), and shuts down again
 
 
-WORDS = {"pids", "go", "ok", "bad", "closed"}  # the driver's own lines; vLLM logs to the same stdout
+WORDS = {"pids", "go", "ok", "bad", "closed", "error"}  # the driver's own lines; vLLM logs to the same stdout
 
 
 class _Driver:
@@ -147,9 +149,10 @@ class _Driver:
     would miss lines already in the reader's buffer)."""
 
     def __init__(self, mode: str, folder, *args):
+        self.stderr = tempfile.TemporaryFile("w+")  # shown when a line differs: why the driver said it
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tests.engine_driver", mode, str(folder), *map(str, args)], cwd=ROOT,
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            stdout=subprocess.PIPE, stderr=self.stderr, text=True)
         self.lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -163,7 +166,12 @@ class _Driver:
         try:
             return self.lines.get(timeout=timeout)
         except queue.Empty:
-            raise AssertionError(f"the driver said nothing for {timeout} s") from None
+            raise AssertionError(f"the driver said nothing for {timeout} s{self.errors()}") from None
+
+    def errors(self) -> str:
+        """The end of the driver's stderr (vLLM's log and any traceback), for a failure's message."""
+        self.stderr.seek(0)
+        return "\n--- the driver's stderr, last 4000 characters:\n" + self.stderr.read()[-4000:]
 
     def pids(self) -> list[psutil.Process]:
         words = self.line()
@@ -199,7 +207,8 @@ def test_ctrl_c_at_random_moments_never_corrupts_the_engine(tiny_path):
             assert driver.line() == ["go", str(i)]
             time.sleep(rng.uniform(0.0, 0.4))
             os.kill(driver.process.pid, signal.SIGINT)
-            assert driver.line(timeout=120) == ["ok", str(i)], f"after interrupt {i}, the next call differed"
+            said = driver.line(timeout=120)
+            assert said == ["ok", str(i)], f"after interrupt {i}, the driver said {said}{driver.errors()}"
         assert driver.line() == ["closed"]
         assert driver.process.wait(60) == 0
         _, alive = psutil.wait_procs(engine, timeout=5)
@@ -241,3 +250,47 @@ def test_ctrl_c_inside_a_send_is_held_back_until_the_send_is_out():
     worker.start()
     worker.join()
     assert result == [True]
+
+
+def test_ctrl_c_while_a_result_is_read_is_an_interrupt_not_a_failed_call(tmp_path):
+    """safetensors' native reader turns a KeyboardInterrupt raised in its Python callbacks into a ValueError,
+    which a caller would take for a failed call (a CI run lost its driver so): wire.decode holds Ctrl-C back."""
+    from safetensors.torch import save_file
+
+    from interp_engine.backends.vllm import wire
+
+    path = str(tmp_path / "result.safetensors")
+    save_file({f"t{i}": torch.full((4,), float(i)) for i in range(400)}, path)
+    armed, stop = [False], threading.Event()  # a plain store: the handler may run between any two bytecodes
+
+    def ctrl_c(signum, frame):  # Ctrl-C as Python's own handler raises it, but only inside the read
+        if armed[0]:
+            armed[0] = False
+            raise KeyboardInterrupt
+
+    def interrupt():
+        while not stop.wait(0.003):
+            os.kill(os.getpid(), signal.SIGINT)
+
+    raised: list[type] = []
+    previous = signal.signal(signal.SIGINT, ctrl_c)
+    sender = threading.Thread(target=interrupt)
+    sender.start()
+    try:
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            try:
+                armed[0] = True
+                value = float(wire.decode(path)["t399"][0])
+                armed[0] = False
+                assert value == 399.0
+            except KeyboardInterrupt:
+                raised.append(KeyboardInterrupt)
+            except Exception as e:  # noqa: BLE001 - the failure this test is about (the handler disarmed)
+                raised.append(type(e))
+    finally:
+        stop.set()
+        sender.join()
+        signal.signal(signal.SIGINT, previous)
+    assert raised, "no interrupt landed inside a read: this test checked nothing"
+    assert set(raised) == {KeyboardInterrupt}, f"an interrupt became {set(raised) - {KeyboardInterrupt}}"

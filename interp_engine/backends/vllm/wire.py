@@ -157,16 +157,21 @@ def encode_failure(message: str, *, in_spec: bool, path: str) -> None:
 
 
 def decode(answer: bytes | str) -> dict[str, Tensor]:
-    """Driver side: what `encode` returned -> the flat tensor dict (a failure file raises the call's error)."""
+    """Driver side: what `encode` returned -> the flat tensor dict (a failure file raises the call's error).
+    Ctrl-C waits until it is read: safetensors' native code turns a KeyboardInterrupt raised in its Python
+    callbacks into a ValueError, which the caller would take for a failed call, not an interrupt."""
     from safetensors import safe_open
     from safetensors.torch import load
 
-    if isinstance(answer, str) and answer:
-        with safe_open(answer, "pt") as f:
-            if ERROR in (meta := f.metadata() or {}):
-                raise _failed(meta[ERROR], bool(meta.get(IN_SPEC)))
-            return {name: f.get_tensor(name) for name in f.keys()}
-    return load(answer) if answer else {}
+    from interp_engine.backends.vllm.procs import deferred_interrupt
+
+    with deferred_interrupt():
+        if isinstance(answer, str) and answer:
+            with safe_open(answer, "pt") as f:
+                if ERROR in (meta := f.metadata() or {}):
+                    raise _failed(meta[ERROR], bool(meta.get(IN_SPEC)))
+                return {name: f.get_tensor(name) for name in f.keys()}
+        return load(answer) if answer else {}
 
 
 def result_path(call: str) -> str:
