@@ -7,6 +7,7 @@ from contextlib import contextmanager
 import huggingface_hub.constants
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 from transformers import AutoModelForCausalLM
 
 from interp_engine import load_model
@@ -15,6 +16,11 @@ from interp_engine.tiny import FAMILIES, build_tiny_model
 PROMPTS = ["Hello, world! Tell me a story", "Paris is the capital of", "The quick brown fox jumps over the lazy dog."]
 _MODELS: dict = {}
 _BASELINES: dict = {}
+
+# Hypothesis' per-example deadline and too_slow check time the machine, not the code (a loaded 2-core runner
+# failed a spec round trip on them): speed is measured in benchmarks/, never asserted in tests.
+settings.register_profile("interp_engine", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("interp_engine")
 
 
 @contextmanager
