@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from interp_engine import BackendError, capture, load_model
-from interp_engine.backends.vllm import life
+from interp_engine.backends.vllm import compat, life
 from interp_engine.backends.vllm.runtime import resource_tracker_pid
 from tests.conftest import PROMPTS
 from tests.skips import requires
@@ -139,6 +139,50 @@ def test_shutdown_under_running_calls_fails_them_promptly_and_starts_no_engine(t
     print(f"\n[life] shutdown(): took {shut - started:.2f} s; last of 4 calls failed {latest:.2f} s after it began")
     assert capture(model, PROMPTS, ["resid_post.0"], progress=False)["resid_post.0"].shape[0] == len(PROMPTS)
     _shut(model, before)  # a call made after shutdown() loads afresh (documented), and shuts down again
+
+
+@requires("vllm")
+def test_ctrl_c_inside_an_engine_wait_lands_after_it(tiny_path, monkeypatch):
+    """A KeyboardInterrupt inside vLLM's wait for the engine (queue.get in a step, Future.result in an RPC: both
+    a Condition's wait) can leave the lock released and become "RuntimeError: release unlocked lock" (a CI run
+    lost its driver so, once in some 300 interrupts). So the driver holds Ctrl-C back for each step and RPC: a
+    real SIGINT sent inside one raises only once it returned, and the engine goes on whole."""
+    points = ["resid_post.0", "mlp_act.1"]
+    model = load_model(str(tiny_path("llama")), backend="vllm", max_model_len=64)
+    before = _children()
+    try:
+        expected = capture(model, PROMPTS, points, progress=False)
+        llm, events = model.runtime.llm, []
+
+        def inside(wait):
+            def waiting(*args, **kwargs):
+                if not events:  # the first wait of the call: Ctrl-C now, while it waits
+                    os.kill(os.getpid(), signal.SIGINT)
+                    time.sleep(0.05)  # Python's handler would have raised by now
+                    events.append("signalled")
+                answer = wait(*args, **kwargs)
+                events.append("returned")
+                return answer
+            return waiting
+
+        for where, call in (("step", lambda: capture(model, PROMPTS, points, progress=False)),
+                            ("collective_rpc", model.runtime.worker_status)):
+            events.clear()
+            with monkeypatch.context() as patch:
+                if where == "step":
+                    patch.setattr(compat, "step", inside(compat.step))
+                else:
+                    patch.setattr(llm, "collective_rpc", inside(llm.collective_rpc))
+                with pytest.raises(KeyboardInterrupt):
+                    call()
+            assert events == ["signalled", "returned"], f"{where}: {events}"
+            got = capture(model, PROMPTS, points, progress=False)
+            assert all(torch.equal(got[k], expected[k]) for k in expected), where
+            assert llm.llm_engine.get_num_unfinished_requests() == 0, where
+            [status] = model.runtime.worker_status()
+            assert status["calls"] == 0 and status["hooks"] == 0, (where, status)
+    finally:
+        _shut(model, before)
 
 
 WORDS = {"pids", "go", "ok", "bad", "closed", "error"}  # the driver's own lines; vLLM logs to the same stdout

@@ -26,7 +26,7 @@ from interp_engine.backends.vllm import compat, engine, wire
 from interp_engine.backends.vllm.capabilities import for_handle
 from interp_engine.backends.vllm.compat import resource_tracker_pid
 from interp_engine.backends.vllm.life import EngineLife, shut_down_error
-from interp_engine.backends.vllm.procs import close_children, environ, running
+from interp_engine.backends.vllm.procs import close_children, deferred_interrupt, environ, running
 from interp_engine.backends.vllm.wire import assemble, flatten
 from interp_engine.errors import BackendError, LoadError, fix
 from interp_engine.inputs import Prompts
@@ -39,8 +39,7 @@ LOGITS = Address("logits")
 # vLLM engines are process-wide (worker processes, distributed state): one may be live per process.
 _LIVE: dict[str, "VllmRuntime"] = {}
 _LIVE_LOCK = threading.Lock()
-# Chunks a stream keeps in the engine at once: the one being finished and the next, queued behind it.
-STREAM_DEPTH = 2
+STREAM_DEPTH = 2  # chunks a stream keeps in the engine at once: the one being finished and the next, behind it
 
 
 @dataclasses.dataclass
@@ -164,7 +163,7 @@ class VllmRuntime(TokenizerRuntime):
                 raise shut_down_error(self.name)
         else:
             life = self._attach(None)
-        with self._engine_lock, life.waiting():
+        with deferred_interrupt(), self._engine_lock, life.waiting():  # see _finish: the wait is a Condition's
             return life.llm.collective_rpc(method, args=args)
 
     def _attach(self, call: str | None) -> EngineLife:
@@ -369,9 +368,11 @@ class VllmRuntime(TokenizerRuntime):
         bar = tqdm(total=len(requests.ids), desc="Processed prompts", disable=not progress, dynamic_ncols=True)
         with bar:
             while requests.waiting:
-                with self._engine_lock, life.waiting():  # checked after the lock: the thread that
-                    if not requests.waiting:  # held it may have failed on a faulted engine
-                        break
+                # Ctrl-C lands after the step: inside a Condition's wait (queue.get) it can become "RuntimeError:
+                # release unlocked lock". Steps are short (chunked prefill); a dead engine's fails at once.
+                with deferred_interrupt(), self._engine_lock, life.waiting():
+                    if not requests.waiting:  # checked after the lock: the thread that
+                        break  # held it may have failed on a faulted engine
                     for out in compat.step(llm):
                         if out.finished and (owner := self._owners.pop(out.request_id, None)) is not None:
                             owner.waiting.discard(out.request_id)
