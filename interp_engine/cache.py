@@ -62,6 +62,13 @@ class Cache(Mapping):
             return [t[i, :, :n, :n] for i, n in enumerate(self.lengths)]
         return [t[i, :n] for i, n in enumerate(self.lengths)]
 
+    def to(self, device: "str | torch.device | None" = None, dtype: "torch.dtype | None" = None) -> "Cache":
+        """The same cache on another device or in another dtype (a new Cache; this one is unchanged)."""
+        if device is None and dtype is None:
+            return self
+        return Cache({a: t.to(device=device, dtype=dtype) for a, t in self.tensors.items()}, self.lengths,
+                     self.n_layers, self.model_name)
+
     def __repr__(self) -> str:
         shapes = ", ".join(f"{a}: {tuple(t.shape)}" for a, t in self.tensors.items())
         return f"Cache({shapes}; lengths={list(self.lengths)})"
