@@ -13,6 +13,7 @@ from interp_engine.arch import Arch, Dims, ModelConfig
 from interp_engine.backends.base import Capabilities, Runtime
 from interp_engine.errors import InputTypeError, SpecError, fix
 from interp_engine.taps import Taps
+from interp_engine.weights import Weights
 
 
 # Not slotted: a frozen, slotted dataclass answers an assignment to a non-field name (a property such as
@@ -51,6 +52,25 @@ class ModelHandle:
     def tokenizer(self):
         """The checkpoint's own HF tokenizer (the one tokenize/to_tokens use)."""
         return self.runtime.tokenizer
+
+    @property
+    def weights(self) -> Weights:
+        """Every weight in TransformerLens's names and shapes (interp_engine/weights.py); read-only by contract.
+        Loads the model if needed."""
+        return self.runtime.weights()
+
+    W_E = property(lambda self: self.weights.W_E)
+    W_pos = property(lambda self: self.weights.W_pos)
+    W_U = property(lambda self: self.weights.W_U)
+    b_U = property(lambda self: self.weights.b_U)
+    # Per-layer weights stacked over layers, [n_layers, ...], as TransformerLens's model.W_Q.
+    W_Q = property(lambda self: self.weights.stacked("W_Q"))
+    W_K = property(lambda self: self.weights.stacked("W_K"))
+    W_V = property(lambda self: self.weights.stacked("W_V"))
+    W_O = property(lambda self: self.weights.stacked("W_O"))
+    W_in = property(lambda self: self.weights.stacked("W_in"))
+    W_gate = property(lambda self: self.weights.stacked("W_gate"))
+    W_out = property(lambda self: self.weights.stacked("W_out"))
 
     @property
     def capabilities(self) -> Capabilities:

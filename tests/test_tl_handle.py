@@ -9,12 +9,15 @@ from transformers import AutoTokenizer
 from interp_engine.errors import SpecError
 
 
-@pytest.mark.parametrize("family, norm, positional, act", [("llama", "rmsnorm", "rotary", "silu"),
-                                                            ("gpt2", "layernorm", "learned", "gelu_new"),
-                                                            ("gemma2", "gemma_rmsnorm", "rotary", "gelu_pytorch_tanh")])
-def test_cfg_is_config_json_under_tl_names(eager, tiny_path, family, norm, positional, act):
-    model = eager(family)
-    raw = json.loads((tiny_path(family) / "config.json").read_text())
+def test_cfg_is_config_json_under_tl_names(eager, tiny_path):
+    for family, norm, positional, act in [("llama", "rmsnorm", "rotary", "silu"),
+                                          ("gpt2", "layernorm", "learned", "gelu_new"),
+                                          ("gemma2", "gemma_rmsnorm", "rotary", "gelu_pytorch_tanh")]:
+        _check_cfg(eager(family), tiny_path(family), family, norm, positional, act)
+
+
+def _check_cfg(model, folder, family, norm, positional, act):
+    raw = json.loads((folder / "config.json").read_text())
     get = lambda *keys: next(raw[k] for k in keys if raw.get(k) is not None)  # noqa: E731
     cfg = model.cfg
     assert (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.d_vocab, cfg.n_ctx) == (
@@ -50,17 +53,13 @@ def test_tokens_as_strings_match_the_tokenizer(eager, tiny_path):
         len(model.to_str_tokens(text + text)) - 1 - model.to_str_tokens(text + text)[::-1].index(" capital")
 
 
-@pytest.mark.parametrize("text, message, remedy", [
-    ("Paris is", "'Paris is' is 2 tokens, ['Paris', ' is'], not one.", "model.to_single_token('Paris')"),
-    ("", "'' is not a token in the vocabulary", "model.to_str_tokens(text) shows how it splits"),
-])
-def test_to_single_token_refuses_with_the_fix(eager, text, message, remedy):
-    with pytest.raises(SpecError) as info:
-        eager("llama").to_single_token(text)
-    assert message in str(info.value) and "Fix:" in str(info.value) and remedy in str(info.value)
-
-
-def test_get_token_position_refuses_a_token_not_there(eager):
+def test_bad_tokens_are_refused_with_the_fix(eager):
     model = eager("llama")
+    for text, message, remedy in [
+            ("Paris is", "'Paris is' is 2 tokens, ['Paris', ' is'], not one.", "model.to_single_token('Paris')"),
+            ("", "'' is not a token in the vocabulary", "model.to_str_tokens(text) shows how it splits")]:
+        with pytest.raises(SpecError) as info:
+            model.to_single_token(text)
+        assert message in str(info.value) and "Fix:" in str(info.value) and remedy in str(info.value)
     with pytest.raises(SpecError, match="does not occur in the 3 tokens"):
         model.get_token_position(" capital", "Paris is")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import PROMPTS
+from tests.conftest import PROMPTS
 from interp_engine import capture, forward, run_with_cache, steer
 from interp_engine.errors import SpecError
 
