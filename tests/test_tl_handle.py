@@ -9,11 +9,13 @@ from transformers import AutoTokenizer
 from interp_engine.errors import SpecError
 
 
-def test_cfg_is_config_json_under_tl_names(eager, tiny_path):
+def test_cfg_is_config_json_under_tl_names_and_repr_is_short(eager, tiny_path):
     for family, norm, positional, act in [("llama", "rmsnorm", "rotary", "silu"),
                                           ("gpt2", "layernorm", "learned", "gelu_new"),
                                           ("gemma2", "gemma_rmsnorm", "rotary", "gelu_pytorch_tanh")]:
         _check_cfg(eager(family), tiny_path(family), family, norm, positional, act)
+    text = repr(eager("llama"))
+    assert len(text) < 160 and "backend='eager'" in text and "llama 3L d_model=128" in text, text
 
 
 def _check_cfg(model, folder, family, norm, positional, act):
@@ -29,11 +31,6 @@ def _check_cfg(model, folder, family, norm, positional, act):
     assert (cfg.family, cfg.normalization, cfg.positional, cfg.act_fn) == (family, norm, positional, act)
     with pytest.raises(AttributeError):
         cfg.n_layers = 1
-
-
-def test_repr_is_short_and_says_what_the_handle_is(eager):
-    text = repr(eager("llama"))
-    assert len(text) < 160 and "backend='eager'" in text and "llama 3L d_model=128" in text, text
 
 
 def test_tokens_as_strings_match_the_tokenizer(eager, tiny_path):

@@ -8,7 +8,7 @@ from interp_engine import LensTop, logit_lens
 from interp_engine.errors import SpecError
 
 
-def test_positions_and_top_k_are_entries_of_the_full_lens(eager, hf_reference):
+def test_positions_and_top_k_are_entries_of_the_full_lens_and_bad_ones_are_refused(eager, hf_reference):
     model, ref = eager("llama"), hf_reference("llama")
     prompts = [PROMPTS[0], PROMPTS[1]]  # ragged: "last" and negative indices count in each prompt's own length
     full = logit_lens(model, prompts, points=["resid_post.0", "final"])
@@ -26,12 +26,9 @@ def test_positions_and_top_k_are_entries_of_the_full_lens(eager, hf_reference):
         expected = full[:, i, [1, n - 1]].topk(5, dim=-1)
         torch.testing.assert_close(top.logprobs[:, i], expected.values)
         assert torch.equal(top.tokens[:, i], expected.indices)
-
-
-def test_bad_requests_are_refused_with_the_fix(eager):
     for kwargs, message in [
             (dict(top_k=0), "top_k=0 is outside 1..512"),
             (dict(positions=[40]), r"positions \[40\] fall outside a prompt of 6 tokens.\n  Fix: use indices in -6..5"),
             (dict(positions=[]), "is not what logit_lens keeps")]:
         with pytest.raises(SpecError, match=message):
-            logit_lens(eager("llama"), PROMPTS[1], **kwargs)
+            logit_lens(model, PROMPTS[1], **kwargs)

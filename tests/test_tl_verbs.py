@@ -29,6 +29,8 @@ def test_run_with_cache_is_logits_and_every_readable_point(eager, hf_reference):
     torch.testing.assert_close(cache["attn_probs.1"], out.attentions[1], rtol=1e-4, atol=1e-4)
     only_logits, few = run_with_cache(model, tokens, ["resid_post.0"])
     assert list(few) == [few._key("resid_post.0")] and torch.equal(only_logits, logits)
+    with pytest.raises(SpecError, match="run_with_cache\\(\\) got points=\\[\\]"):
+        run_with_cache(model, "Hi", [])
 
 
 def test_capture_converts_dtype_and_device(eager, hf_reference):
@@ -42,7 +44,3 @@ def test_capture_converts_dtype_and_device(eager, hf_reference):
     assert cache.to(dtype=torch.float64)["resid_post.1"].dtype == torch.float64 and \
         cache["resid_post.1"].dtype == torch.float16  # to() returns a new cache
 
-
-def test_run_with_cache_refuses_an_empty_list(eager):
-    with pytest.raises(SpecError, match="run_with_cache\\(\\) got points=\\[\\]"):
-        run_with_cache(eager("llama"), "Hi", [])
