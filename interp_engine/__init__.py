@@ -5,7 +5,8 @@ from interp_engine.addresses import Address
 from interp_engine.cache import Cache
 from interp_engine.errors import (BackendError, HarvestError, InputTypeError, InterpEngineError, LoadError,
                                   PointError, ResultTypeError, SpecError)
-from interp_engine.func import Generation, Gradients, capture, generate, logit_lens, run_with_grad, steer
+from interp_engine.func import (Generation, Gradients, LensTop, capture, forward, generate, logit_lens,
+                                run_with_cache, run_with_grad, steer)
 from interp_engine.handle import ModelHandle
 from interp_engine.harvest import Harvest, harvest, load_harvest
 from interp_engine.loading import BackendSelection, load_model, select_backend, vllm_installed
@@ -16,7 +17,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Address", "Cache", "ModelHandle", "Spec", "spec", "load_model", "select_backend", "vllm_installed",
-    "BackendSelection", "capture", "steer", "generate", "logit_lens", "run_with_grad", "Generation", "Gradients",
+    "BackendSelection", "capture", "run_with_cache", "forward", "steer", "generate", "logit_lens", "run_with_grad",
+    "Generation", "Gradients", "LensTop",
     "harvest", "load_harvest", "Harvest",
     "InterpEngineError", "PointError", "SpecError", "BackendError", "LoadError", "HarvestError", "InputTypeError",
     "ResultTypeError",

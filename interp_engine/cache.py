@@ -6,6 +6,7 @@ from types import MappingProxyType
 
 import torch
 
+from interp_engine import cache_helpers
 from interp_engine.addresses import Address
 from interp_engine.errors import PointError, fix
 
@@ -61,6 +62,20 @@ class Cache(Mapping):
         if address.info.pos_axis == 2:
             return [t[i, :, :n, :n] for i, n in enumerate(self.lengths)]
         return [t[i, :n] for i, n in enumerate(self.lengths)]
+
+    # TransformerLens's ActivationCache helpers, as methods (cache_helpers.py says what each means).
+    accumulated_resid = cache_helpers.accumulated_resid
+    decompose_resid = cache_helpers.decompose_resid
+    stack_activation = cache_helpers.stack_activation
+    apply_ln_to_stack = cache_helpers.apply_ln_to_stack
+    logit_attrs = cache_helpers.logit_attrs
+
+    def to(self, device: "str | torch.device | None" = None, dtype: "torch.dtype | None" = None) -> "Cache":
+        """The same cache on another device or in another dtype (a new Cache; this one is unchanged)."""
+        if device is None and dtype is None:
+            return self
+        return Cache({a: t.to(device=device, dtype=dtype) for a, t in self.tensors.items()}, self.lengths,
+                     self.n_layers, self.model_name)
 
     def __repr__(self) -> str:
         shapes = ", ".join(f"{a}: {tuple(t.shape)}" for a, t in self.tensors.items())

@@ -40,6 +40,8 @@ class Arch:
     d_mlp_keys: tuple[str, ...] = ("intermediate_size",)
     vllm: VllmLayout | None = None  # None: the vLLM backends do not serve this family yet
     vllm_refusal: str | None = None  # why not, where it is known (said in the refusal)
+    normalization: str = "rmsnorm"  # every norm's kind: "rmsnorm", "layernorm", or "gemma_rmsnorm" (scale 1 + w)
+    positional: str = "rotary"  # "rotary" or "learned" (a position table added to the embedding)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +97,33 @@ def read_dims(config, arch: Arch) -> Dims:
         d_vocab=config.vocab_size,
         max_len=getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 2**31,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """`model.cfg`: TransformerLens's names for what a checkpoint is. n_ctx is the model's own context length
+    (a vLLM handle loaded with max_model_len= takes prompts of at most max_model_len - 1 tokens)."""
+
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    d_head: int
+    d_mlp: int
+    d_vocab: int
+    n_ctx: int
+    family: str
+    normalization: str
+    positional: str
+    act_fn: str
+
+
+def read_cfg(config, arch: Arch, dims: Dims) -> ModelConfig:
+    act = next((getattr(config, k) for k in ("hidden_activation", "hidden_act", "activation_function")
+                if isinstance(getattr(config, k, None), str)), "unknown")
+    return ModelConfig(n_layers=dims.n_layers, d_model=dims.d_model, n_heads=dims.n_heads, n_kv_heads=dims.n_kv_heads,
+                       d_head=dims.d_head, d_mlp=dims.d_mlp, d_vocab=dims.d_vocab, n_ctx=dims.max_len,
+                       family=arch.family, normalization=arch.normalization, positional=arch.positional, act_fn=act)
 
 
 def _registry() -> dict[str, Arch]:

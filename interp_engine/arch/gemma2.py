@@ -13,6 +13,7 @@ ARCHES = (
         attention="self_attn",
         attn_out="post_attention_layernorm",
         mlp_out="post_feedforward_layernorm",
+        normalization="gemma_rmsnorm",
         mlp_down="mlp.down_proj",
         mid_norm="pre_feedforward_layernorm",
         vllm=VllmLayout(

@@ -16,6 +16,7 @@ ARCHES = (
         attention="attention",
         attn_out="attention",
         mlp_out="mlp",
+        normalization="layernorm",
         mlp_down="mlp.dense_4h_to_h",
         parallel=True,
     ),

@@ -15,6 +15,7 @@ ARCHES = (
         attention="self_attn",
         attn_out="self_attn",
         mlp_out="mlp",
+        normalization="layernorm",
         mlp_down="mlp.fc2",
         parallel=True,
     ),

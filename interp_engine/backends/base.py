@@ -14,9 +14,11 @@ import torch
 from torch import Tensor
 
 from interp_engine.addresses import Address
+from interp_engine.errors import BackendError, fix
 from interp_engine.inputs import Prompts
 from interp_engine.taps import Taps
 from interp_engine.validate import Plan
+from interp_engine.weights import Weights
 
 # The pure functions a backend may serve.
 VERBS = ("capture", "steer", "generate", "logit_lens", "run_with_grad")
@@ -102,6 +104,8 @@ class Runtime(Protocol):
     def lens(self, prompts: Prompts, plan: Plan, *, batch_size: int,
              progress: bool = True) -> dict[Address, Tensor]: ...
 
+    def weights(self) -> Weights: ...
+
 
 @runtime_checkable
 class GradientRuntime(Runtime, Protocol):
@@ -143,6 +147,13 @@ class TokenizerRuntime:
     @property
     def eos_id(self) -> int | None:
         return self.tokenizer.eos_token_id
+
+    def weights(self) -> Weights:
+        """TransformerLens-shaped weights; a backend that can read its own overrides this refusal."""
+        raise BackendError(fix(f"backend={self.capabilities.backend!r} does not hand out its weights yet: its "
+                               "workers hold them, in their own (possibly sharded) layout.",
+                               'load the same checkpoint with backend="eager" (device="cpu" needs no GPU) and read '
+                               "model.weights there."))
 
     def stream(self, chunks: Iterable[tuple[Prompts, Plan]], *, batch_size: int
                ) -> Iterator[tuple[Prompts, dict[Address, torch.Tensor]]]:

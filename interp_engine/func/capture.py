@@ -1,24 +1,49 @@
 from collections.abc import Sequence
 
+import torch
 from beartype import beartype
 from jaxtyping import jaxtyped
 
 from interp_engine.addresses import Address
 from interp_engine.cache import Cache
 from interp_engine.func._prepare import checked_arguments, prepare, require_points
-from interp_engine.func.shapes import checked_result
+from interp_engine.func.shapes import check_result, checked_result
 from interp_engine.handle import ModelHandle
 from interp_engine.inputs import PromptsLike
 from interp_engine.spec import Op, Spec
+from interp_engine.typing import Logits
 
 
 @checked_arguments
 @jaxtyped(typechecker=beartype)
 @checked_result
 def capture(model: ModelHandle, tokens: PromptsLike, points: Sequence[str | Address] | str | Address,
-            spec: Spec | Op | Sequence[Op] | None = None, *, batch_size: int = 32, progress: bool = True) -> Cache:
-    """Activations at `points`, read after the spec's edits. Ragged prompts: rows right-padded with zeros."""
+            spec: Spec | Op | Sequence[Op] | None = None, *, batch_size: int = 32, progress: bool = True,
+            dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> Cache:
+    """Activations at `points`, read after the spec's edits. Ragged prompts: rows right-padded with zeros.
+    `dtype=` and `device=` convert what is returned (e.g. torch.float16 to halve it, "cpu" off the GPU)."""
     require_points(points, "capture", "points")
     prompts, plan = prepare(model, tokens, spec, points, purpose="forward", verb="capture", batch_size=batch_size)
     _, records = model.runtime.forward(prompts, plan, batch_size=batch_size, want_logits=False, progress=progress)
-    return Cache(records, prompts.lengths, model.n_layers, model.name)
+    return Cache(records, prompts.lengths, model.n_layers, model.name).to(device=device, dtype=dtype)
+
+
+@checked_arguments
+@jaxtyped(typechecker=beartype)
+def run_with_cache(model: ModelHandle, tokens: PromptsLike,
+                   points: Sequence[str | Address] | str | Address | None = None,
+                   spec: Spec | Op | Sequence[Op] | None = None, *, batch_size: int = 32, progress: bool = True,
+                   dtype: torch.dtype | None = None, device: str | torch.device | None = None
+                   ) -> tuple[Logits, Cache]:
+    """`(logits, cache)` from one forward pass (TransformerLens's run_with_cache). `points=None` reads every point
+    this handle can read (`model.points()`): name the ones you need on a large model. `dtype=`/`device=` convert
+    the cache, as in `capture`."""
+    if points is None:
+        points = model.points()
+    require_points(points, "run_with_cache", "points")
+    prompts, plan = prepare(model, tokens, spec, points, purpose="forward", verb="capture", batch_size=batch_size)
+    logits, records = model.runtime.forward(prompts, plan, batch_size=batch_size, want_logits=True, progress=progress)
+    cache = Cache(records, prompts.lengths, model.n_layers, model.name).to(device=device, dtype=dtype)
+    check_result(logits, Logits, model, what="run_with_cache() logits")
+    check_result(cache, Cache, model, what="run_with_cache() cache")
+    return logits, cache

@@ -51,8 +51,11 @@ def _check(value, hint, model, what: str) -> None:
         members = [h for h in typing.get_args(hint) if h is not type(None)]
         if value is None and len(members) < len(typing.get_args(hint)):
             return
-        if len(members) == 1:  # `X | None`: check X's axes; a wider union is only checked for its types below
+        if len(members) == 1:  # `X | None`: check X's axes
             hint = members[0]
+        else:  # a wider union: the member the value is (a dataclass by its type, a tensor by the tensor alias)
+            hint = next((m for m in members if dataclasses.is_dataclass(m) and isinstance(value, m)), None) or next(
+                (m for m in members if hasattr(m, "dim_str") and isinstance(value, Tensor)), hint)
     if hint is Cache:
         return _check_cache(value, model, what)
     if dataclasses.is_dataclass(hint):

@@ -14,9 +14,20 @@ from interp_engine.typing import Logits
 @checked_arguments
 @jaxtyped(typechecker=beartype)
 @checked_result
-def steer(model: ModelHandle, tokens: PromptsLike, spec: Spec | Op | Sequence[Op], *, batch_size: int = 32,
+def steer(model: ModelHandle, tokens: PromptsLike, spec: Spec | Op | Sequence[Op] | None, *, batch_size: int = 32,
           progress: bool = True) -> Logits:
-    """Logits of the forward pass with the spec's edits. Ragged prompts: padded positions are zeros."""
+    """Logits of the forward pass with the spec's edits (none: `spec=None`, what `forward` does). Ragged prompts:
+    padded positions are zeros."""
     prompts, plan = prepare(model, tokens, spec, (), purpose="forward", verb="steer", batch_size=batch_size)
+    logits, _ = model.runtime.forward(prompts, plan, batch_size=batch_size, want_logits=True, progress=progress)
+    return logits
+
+
+@checked_arguments
+@jaxtyped(typechecker=beartype)
+@checked_result
+def forward(model: ModelHandle, tokens: PromptsLike, *, batch_size: int = 32, progress: bool = True) -> Logits:
+    """Plain logits, no edits: `steer(model, tokens, None)`. Ragged prompts: padded positions are zeros."""
+    prompts, plan = prepare(model, tokens, None, (), purpose="forward", verb="steer", batch_size=batch_size)
     logits, _ = model.runtime.forward(prompts, plan, batch_size=batch_size, want_logits=True, progress=progress)
     return logits

@@ -6,7 +6,7 @@ from typing import Any
 import torch
 
 from interp_engine import quantization as Q
-from interp_engine.arch import arch_for, read_dims
+from interp_engine.arch import arch_for, read_cfg, read_dims
 from interp_engine.errors import BackendError, SpecError, fix
 from interp_engine.handle import ModelHandle
 from interp_engine.load_guards import load_tokenizer
@@ -48,4 +48,4 @@ def load(repo_id: str, source: str, config, selection: BackendSelection, hardwar
     )
     return ModelHandle(name=str(repo_id), backend="eager", device=selection.device, dtype=selection.dtype,
                        attn_implementation=impl, requires_grad=requires_grad, arch=arch,
-                       dims=read_dims(config, arch), runtime=runtime)
+                       dims=runtime.dims, cfg=read_cfg(config, arch, runtime.dims), runtime=runtime)

@@ -16,10 +16,12 @@ from interp_engine.backends.base import TokenizerRuntime
 from interp_engine.backends.eager import attention
 from interp_engine.backends.eager.capabilities import for_handle
 from interp_engine.edits import Step
+from interp_engine.backends.eager.weights import read_weights
 from interp_engine.backends.eager.sites import Layout, Run, installed
 from interp_engine.errors import LoadError, fix
 from interp_engine.inputs import Prompts
 from interp_engine.validate import Plan
+from interp_engine.weights import Weights
 
 LOGITS = Address("logits")
 
@@ -34,6 +36,7 @@ class EagerRuntime(TokenizerRuntime):
         self.num_gpus, self.hf_kwargs, self.tokenizer = num_gpus, dict(hf_kwargs), tokenizer
         self.capabilities = for_handle(attn_implementation)
         self.model: torch.nn.Module | None = None
+        self._weights: tuple[torch.nn.Module, Weights] | None = None  # read once per loaded model
         self.layout: Layout | None = None
         self._lock = threading.Lock()
         # Hooks live on the shared modules while a call runs, so calls on one handle take turns.
@@ -71,7 +74,7 @@ class EagerRuntime(TokenizerRuntime):
 
     def unload(self) -> None:
         with self._lock:
-            self.model, self.layout = None, None
+            self.model, self.layout, self._weights = None, None, None
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -144,6 +147,12 @@ class EagerRuntime(TokenizerRuntime):
             logprobs = torch.log_softmax(self.unembed(resid).float(), dim=-1)
             out[address] = torch.where(valid[..., None].to(logprobs.device), logprobs, torch.zeros((), device=logprobs.device))
         return out
+
+    def weights(self) -> Weights:
+        model = self.load()
+        if self._weights is None or self._weights[0] is not model:
+            self._weights = (model, read_weights(model, self.arch, self.dims))
+        return self._weights[1]
 
     def unembed(self, resid: Tensor) -> Tensor:
         """Final norm, unembedding and (where the arch has it) final logit softcap, on a [..., d_model] tensor."""

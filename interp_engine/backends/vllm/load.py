@@ -9,7 +9,7 @@ import torch
 
 from interp_engine import quantization as Q
 from interp_engine import vllm_args
-from interp_engine.arch import arch_for, read_dims
+from interp_engine.arch import arch_for, read_cfg, read_dims
 from interp_engine.backends.vllm.capabilities import for_handle
 from interp_engine.errors import BackendError, SpecError, fix
 from interp_engine.handle import ModelHandle
@@ -59,6 +59,7 @@ def load(repo_id: str, source: str, config, selection: BackendSelection, hardwar
     if arch.vllm is None:
         raise BackendError(fix(f"{vllm_support(config, source)}.", 'use backend="eager" for this model.'))
     dims = read_dims(config, arch)
+    cfg = read_cfg(config, arch, dims)
     taps = Taps.of(static_points, static_writes, dims.n_layers) if capabilities.declares_taps else None
     if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, int)
                                       or not 0 < max_model_len <= dims.max_len):
@@ -77,5 +78,5 @@ def load(repo_id: str, source: str, config, selection: BackendSelection, hardwar
                           dtype=selection.dtype, num_gpus=num_gpus, engine_kwargs=engine, tokenizer=tokenizer,
                           taps=taps)
     return ModelHandle(name=str(repo_id), backend=backend, device=selection.device, dtype=selection.dtype,
-                       attn_implementation="vllm", requires_grad=False, arch=arch, dims=dims, runtime=runtime,
+                       attn_implementation="vllm", requires_grad=False, arch=arch, dims=dims, cfg=cfg, runtime=runtime,
                        taps=taps)
