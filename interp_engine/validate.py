@@ -40,9 +40,10 @@ def _resolve(address: Address, model, problems: list) -> Address | None:
         return None
     served = model.capabilities.served
     if served is not None and resolved.point not in served:
+        has = ", ".join(p for p in POINTS if p in served)
         problems.append(PointError(fix(
-            f"{model.name!r} is served as {model.arch.family}, which has {', '.join(p for p in POINTS if p in served)} only: {resolved.point} "
-            "needs a table of where each point sits in its layers.",
+            f"{model.name!r} is served as {model.arch.family}, which has {has} only: {resolved.point} needs a table "
+            "of where each point sits in its layers.",
             f"read or edit one of those points, or use a model of a family that has {resolved.point}: "
             f"{', '.join(families_with(resolved.point))}.")))
         return None

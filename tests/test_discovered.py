@@ -9,7 +9,7 @@ import asyncio
 import pytest
 import torch
 
-from interp_engine import BackendError, LoadError, PointError, capture, load_model, steer
+from interp_engine import BackendError, LoadError, PointError, capture, load_model, logit_lens, steer
 from interp_engine import spec as S
 from interp_engine.addresses import Address
 from interp_engine.backends.vllm.runtime import _LIVE
@@ -56,6 +56,9 @@ def test_eager_serves_exactly_the_residual_stream_equal_to_hf(family, eager, hf_
     torch.testing.assert_close(ours["final"], hidden[-1], rtol=0, atol=0)
     torch.testing.assert_close(ours["logits"], out.logits, rtol=0, atol=0)
     assert (ours[f"resid_post.{model.n_layers - 1}"] - hidden[-1]).abs().max() > 1e-2, "final is after the norm"
+    last = f"resid_post.{model.n_layers - 1}"  # the lens through the discovered final norm and unembedding
+    lens = logit_lens(model, ids, points=[last])[0]
+    torch.testing.assert_close(lens, out.logits.log_softmax(-1), rtol=RTOL, atol=ATOL)
     vector = torch.linspace(-2, 2, model.d_model)
     steered = steer(model, ids, S.Add("resid_post.1", vector))
     torch.testing.assert_close(steered, _hf_steered(hf, ids, 1, vector), rtol=RTOL, atol=ATOL)
@@ -75,7 +78,6 @@ def test_other_points_are_refused_before_any_forward_naming_the_families_that_ha
     assert "mlp_out needs a table" in str(caught.value) and "q needs a table" in str(caught.value)
     assert not model.is_loaded
     assert not model.capabilities.can_read(Address("z", 0)) and not model.capabilities.can_write(Address("z", 0))
-    assert model.capabilities.can_read(Address("resid_mid", 0)) is False
 
 
 def test_vllm_static_refuses_a_discovered_model_at_load(tiny_path):

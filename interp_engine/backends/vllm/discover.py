@@ -12,6 +12,7 @@ import inspect
 
 from interp_engine.arch import VllmLayout
 from interp_engine.arch.discover import NORM_NAMES, find_layer_stack, has_module, layer_count
+from interp_engine.backends.vllm import compat
 from interp_engine.errors import LoadError, fix
 
 
@@ -19,18 +20,17 @@ def discover_layout(model, config) -> VllmLayout:
     n_layers = layer_count(config)
     layers, seen = find_layer_stack(model, n_layers)
     parent = layers.rpartition(".")[0]
-    norms = [p for p in (f"{parent}.{n}" if parent else n for n in NORM_NAMES) if has_module(model, p)] if layers else []
+    beside = (f"{parent}.{n}" if parent else n for n in NORM_NAMES)
+    norms = [p for p in beside if has_module(model, p)] if layers else []
     if not layers or len(norms) != 1:
         found = f"the layers at {layers!r} and final norms {norms}" if layers else ", ".join(seen) or "no ModuleList"
         raise LoadError(fix(
             f"vLLM's {type(model).__name__} has no layout interp_engine can find: it looked for one ModuleList of "
             f"num_hidden_layers={n_layers} decoder layers and one of {', '.join(NORM_NAMES)} beside it, and found "
             f"{found}.", 'use backend="eager" for this model.'))
-    from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
-
     takes_residual = "residual" in inspect.signature(model.get_submodule(layers)[0].forward).parameters
     norm = model.get_submodule(norms[0])
-    if takes_residual and not isinstance(norm, RMSNorm | GemmaRMSNorm):
+    if takes_residual and not compat.adds_residual(norm):
         raise LoadError(fix(
             f"vLLM's {type(model).__name__} passes a residual between its layers, and its final norm "
             f"({type(norm).__name__}) is not vLLM's fused add-norm, so whether the stream is hidden + residual or "
