@@ -63,7 +63,7 @@ def _stream_in_repack(args, kwargs, out, new):
     # A layer that takes no residual (its input is the stream itself) gets none.
     zero = {} if residual is None else {"residual": torch.zeros_like(residual)}
     if len(args) >= 3:
-        return (args[0], new[0], zero["residual"], *args[3:]), kwargs
+        return (args[0], new[0], zero.get("residual"), *args[3:]), kwargs
     if len(args) == 2:
         return (args[0], new[0]), {**kwargs, **zero}
     return args, {**kwargs, "hidden_states": new[0], **zero}
