@@ -128,3 +128,39 @@ def test_vllm_equals_eager_plain_and_under_writes_and_steers_as_hf(served, eager
     steered = steer(model, ids, S.Add("resid_post.1", vector))
     torch.testing.assert_close(steered, hooked, rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(steered, steer(reference, ids, S.Add("resid_post.1", vector)), rtol=RTOL, atol=ATOL)
+
+
+class _Layer(torch.nn.Module):
+    def forward(self, positions, hidden_states, residual):
+        return hidden_states, residual
+
+
+class _HFLayer(torch.nn.Module):
+    def forward(self, hidden_states, attention_mask=None):
+        return hidden_states
+
+
+def _tree(layer, norm):
+    """A module tree shaped like a vLLM causal LM: model.layers and model.norm."""
+    inner = torch.nn.Module()
+    inner.layers, inner.norm = torch.nn.ModuleList([layer(), layer()]), norm
+    root = torch.nn.Module()
+    root.model = inner
+    return root
+
+
+@requires("vllm")
+def test_vllm_layouts_that_cannot_be_told_apart_are_refused_not_guessed():
+    from types import SimpleNamespace
+
+    from interp_engine.backends.vllm.discover import discover_layout
+
+    config = SimpleNamespace(num_hidden_layers=2)
+    # A residual passed between layers, and a final norm that is not vLLM's fused add-norm (Cohere's case).
+    with pytest.raises(LoadError, match="is not vLLM's fused add-norm"):
+        discover_layout(_tree(_Layer, torch.nn.LayerNorm(4)), config)
+    # HF's layers, as vLLM's Transformers fallback runs them.
+    with pytest.raises(LoadError, match="not a native vLLM implementation"):
+        discover_layout(_tree(_HFLayer, torch.nn.LayerNorm(4)), config)
+    with pytest.raises(LoadError, match=r"found model.layers \(2\)"):
+        discover_layout(_tree(_Layer, torch.nn.LayerNorm(4)), SimpleNamespace(num_hidden_layers=3))

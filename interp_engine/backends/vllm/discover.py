@@ -28,7 +28,14 @@ def discover_layout(model, config) -> VllmLayout:
             f"vLLM's {type(model).__name__} has no layout interp_engine can find: it looked for one ModuleList of "
             f"num_hidden_layers={n_layers} decoder layers and one of {', '.join(NORM_NAMES)} beside it, and found "
             f"{found}.", 'use backend="eager" for this model.'))
-    takes_residual = "residual" in inspect.signature(model.get_submodule(layers)[0].forward).parameters
+    params = list(inspect.signature(model.get_submodule(layers)[0].forward).parameters)
+    if params[:2] != ["positions", "hidden_states"]:  # what the layer hooks unpack (sites.STREAM_IN)
+        raise LoadError(fix(
+            f"vLLM's {type(model).__name__} runs layers that take ({', '.join(params)}), not vLLM's own "
+            "(positions, hidden_states, ...): it is not a native vLLM implementation (vLLM's Transformers "
+            "fallback runs HF's layers), and interp_engine finds the stream only in native ones.",
+            'use backend="eager" for this model.'))
+    takes_residual = "residual" in params
     norm = model.get_submodule(norms[0])
     if takes_residual and not compat.adds_residual(norm):
         raise LoadError(fix(
