@@ -1,6 +1,7 @@
 """The model handle: frozen config and dims plus a reference to the backend runtime that holds the weights."""
 
 import asyncio
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -74,8 +75,12 @@ class ModelHandle:
 
     @property
     def capabilities(self) -> Capabilities:
-        """What this handle serves: its backend's verbs and points, narrowed by its attention or declared taps."""
-        return self.runtime.capabilities
+        """What this handle serves: its backend's verbs and points, narrowed by its attention, declared taps, or
+        the points its architecture has (a discovered one: the residual stream)."""
+        capabilities = self.runtime.capabilities
+        if self.arch.points is None:
+            return capabilities
+        return dataclasses.replace(capabilities, served=frozenset(self.arch.points))
 
     @property
     def is_loaded(self) -> bool:
@@ -102,7 +107,7 @@ class ModelHandle:
                                 key=lambda a: (list(POINTS).index(a.point), a.layer or 0)))
         out = []
         for info in POINTS.values():
-            if info.needs_eager_attention and not capabilities.patterns:
+            if (info.needs_eager_attention and not capabilities.patterns) or not self.arch.serves(info.name):
                 continue
             if info.layered:
                 out += [Address(info.name, i) for i in range(self.n_layers)]

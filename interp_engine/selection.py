@@ -144,7 +144,7 @@ def vllm_support(config, source: str) -> str | None:
     Both must hold: vLLM's model registry has a text-generation implementation of config.json's
     `architectures`, and interp_engine knows where the points live in it (a `VllmLayout` for the family)."""
     arch = arch_for(config, name=source)
-    if arch.vllm is None:
+    if arch.vllm is None and not arch.discovered:
         why = f": {arch.vllm_refusal}" if arch.vllm_refusal else " yet"
         return (f"interp_engine has no vLLM layout for {config.model_type!r} models{why} "
                 f"(its vLLM backends serve {', '.join(vllm_model_types())})")

@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gpt2", "gpt_neox", "phi", "gemma3_text", "olmo2", "phi3")
+# Model types without a table, served at the residual stream by discovery (interp_engine/arch/discover.py).
+DISCOVERED = ("stablelm", "granite")
 
 # A short corpus is enough: the tokenizer only needs real merges so that text round-trips.
 _CORPUS = """
@@ -63,6 +65,17 @@ _BASE: dict[str, dict[str, Any]] = {
     # Phi-3-medium's GQA layout scaled down; no sliding window (Phi-3-mini-4k's 2047 is past any test prompt).
     "phi3": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=512, sliding_window=None, tie_word_embeddings=False),
+    # StableLM-2-1.6B's layout scaled down: LayerNorm, q/k/v biases, a quarter of each head rotary; vLLM's
+    # layer returns (stream, leftover) and takes no residual.
+    "stablelm": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                     num_key_value_heads=4, max_position_embeddings=512, partial_rotary_factor=0.25,
+                     use_qkv_bias=True, tie_word_embeddings=False),
+    # Granite-3.0-2B's multipliers (embedding, residual, attention = 1/d_head, logits) scaled down, tied
+    # embeddings; vLLM's layer returns the stream alone.
+    "granite": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=512, embedding_multiplier=12.0,
+                    residual_multiplier=0.22, attention_multiplier=1 / 32, logits_scaling=8.0,
+                    tie_word_embeddings=True),
 }
 
 
@@ -106,7 +119,7 @@ def build_tiny_model(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if family not in _BASE:
-        raise ValueError(f"no tiny config for {family!r}; choose one of {', '.join(FAMILIES)}")
+        raise ValueError(f"no tiny config for {family!r}; choose one of {', '.join(FAMILIES + DISCOVERED)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(out)

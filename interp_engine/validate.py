@@ -5,8 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
-from interp_engine.addresses import Address
-from interp_engine.arch import Dims
+from interp_engine.addresses import POINTS, Address
+from interp_engine.arch import Dims, families_with
 from interp_engine.errors import BackendError, InterpEngineError, PointError, SpecError, fix
 from interp_engine.spec import SPEC_DTYPES, Ablate, Add, Custom, Patch, Positions, Scale, Set, Spec, shown
 
@@ -37,6 +37,15 @@ def _resolve(address: Address, model, problems: list) -> Address | None:
         problems.append(BackendError(fix(
             f"{resolved} needs attention weights, which {model.attn_implementation!r} attention never forms.",
             f'load with load_model({model.name!r}, backend="eager", attn_implementation="eager").')))
+        return None
+    served = model.capabilities.served
+    if served is not None and resolved.point not in served:
+        has = ", ".join(p for p in POINTS if p in served)
+        problems.append(PointError(fix(
+            f"{model.name!r} is served as {model.arch.family}, which has {has} only: {resolved.point} needs a table "
+            "of where each point sits in its layers.",
+            f"read or edit one of those points, or use a model of a family that has {resolved.point}: "
+            f"{', '.join(families_with(resolved.point))}.")))
         return None
     return resolved
 

@@ -447,12 +447,13 @@ def test_unknown_backend_suggests_the_nearest(eager, tiny_path, backend, nearest
                         str(tiny_path("llama")), backend=backend)
 
 
-def test_unknown_architecture_refused_before_loading(eager, tmp_path):
-    from transformers import BloomConfig
+def test_undiscoverable_architecture_refused_before_loading(eager, tmp_path):
+    from transformers import T5Config
 
-    # config.json only, no weights: reaching the error at all proves it came before any load.
-    BloomConfig().save_pretrained(str(tmp_path))
-    assert_load_refused(eager, LoadError, ("a 'bloom' model", "does not cover", "llama", "gpt2"),
+    # config.json only, no weights: reaching the error at all proves it came before any load. T5 has no table
+    # and no causal LM to discover a residual stream in (tests/test_discovered.py has the discovered ones).
+    T5Config().save_pretrained(str(tmp_path))
+    assert_load_refused(eager, LoadError, ("a 't5' model", "no table", "builds no causal LM", "llama", "gpt2"),
                         str(tmp_path), backend="eager")
 
 

@@ -16,12 +16,16 @@ class VllmLayout:
 
     layers: str  # decoder layers: forward(positions, hidden, residual) -> (hidden, residual)
     final_norm: str  # norm(hidden, residual) -> (normed, resid_post of the last layer)
-    attention: str  # the Attention module, relative to a layer: forward(q, k, v) after rotary
-    o_proj: str  # relative to a layer: its input is z
-    attn_out: str  # relative to a layer: its output is attn_out
-    mlp_out: str  # relative to a layer: its output is mlp_out
-    mlp_down: str  # relative to a layer: its input is mlp_act
-    mid_norm: str  # relative to a layer: the fused add-norm called as (attn_out, resid_pre); adds them first
+    # Relative to a layer; None where the family does not serve those points (a discovered model).
+    attention: str | None = None  # the Attention module: forward(q, k, v) after rotary
+    o_proj: str | None = None  # its input is z
+    attn_out: str | None = None  # its output is attn_out
+    mlp_out: str | None = None  # its output is mlp_out
+    mlp_down: str | None = None  # its input is mlp_act
+    mid_norm: str | None = None  # the fused add-norm called as (attn_out, resid_pre); adds them first
+    # What a layer's output holds: "sum", the stream as (hidden, residual) that the next fused add-norm adds;
+    # "first", the stream itself, alone or first of a tuple whose rest the next layer never reads.
+    stream_out: str = "sum"
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,10 +35,11 @@ class Arch:
     layers: str  # the ModuleList of decoder layers
     final_norm: str
     unembed: str
-    attention: str  # the attention module, whose kwargs reach the attention function
-    attn_out: str  # module whose output is what attention adds to the residual stream
-    mlp_out: str  # module whose output is what the MLP adds to the residual stream
-    mlp_down: str  # module whose input is mlp_act
+    # Inside a layer; None where the family does not serve those points (a discovered model).
+    attention: str | None = None  # the attention module, whose kwargs reach the attention function
+    attn_out: str | None = None  # module whose output is what attention adds to the residual stream
+    mlp_out: str | None = None  # module whose output is what the MLP adds to the residual stream
+    mlp_down: str | None = None  # module whose input is mlp_act
     parallel: bool = False  # attention and MLP both read resid_pre (GPT-NeoX, Phi)
     mid_norm: str | None = None  # sequential blocks: the norm whose input is resid_mid (the MLP's input norm)
     d_mlp_keys: tuple[str, ...] = ("intermediate_size",)
@@ -42,6 +47,16 @@ class Arch:
     vllm_refusal: str | None = None  # why not, where it is known (said in the refusal)
     normalization: str = "rmsnorm"  # every norm's kind: "rmsnorm", "layernorm", or "gemma_rmsnorm" (scale 1 + w)
     positional: str = "rotary"  # "rotary" or "learned" (a position table added to the embedding)
+    points: tuple[str, ...] | None = None  # the points served; None: every point (a table's family)
+
+    @property
+    def discovered(self) -> bool:
+        """Found from the model's structure (arch/discover.py), not a table: vLLM's modules are found in the
+        worker the same way."""
+        return self.family.startswith("discovered:")
+
+    def serves(self, point: str) -> bool:
+        return self.points is None or point in self.points
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,12 +161,19 @@ def vllm_model_types() -> tuple[str, ...]:
     return tuple(sorted(t for t, arch in _registry().items() if arch.vllm is not None))
 
 
+def table_for(config) -> Arch | None:
+    """The family table of config.model_type, or None."""
+    return _registry().get(getattr(config, "model_type", None))
+
+
 def arch_for(config, *, name: str = "this model") -> Arch:
-    model_type = getattr(config, "model_type", None)
-    arch = _registry().get(model_type)
-    if arch is None:
-        raise LoadError(fix(
-            f"{name!r} is a {model_type!r} model, an architecture interp_engine does not cover yet.",
-            f"use a model of a covered family: {', '.join(supported_model_types())}.",
-        ))
-    return arch
+    """The table of config.model_type; else the residual stream found in the model's structure (or a refusal
+    saying what was looked for)."""
+    from interp_engine.arch.discover import discover
+
+    return table_for(config) or discover(config, name=name)
+
+
+def families_with(point: str) -> tuple[str, ...]:
+    """The table families that serve `point`, for refusals."""
+    return tuple(dict.fromkeys(a.family for a in _registry().values() if a.serves(point)))

@@ -45,6 +45,7 @@ class Capabilities:
     fixed_instead: str = ""  # ... and what to do instead, after "drop them"
     attn_implementation: str | None = None  # per handle, HF attention on eager (None: the backend's own kernels)
     taps: Taps | None = None  # per handle, on a backend that declares taps: the declared points
+    served: frozenset[str] | None = None  # per handle, the points its architecture has (None: every point)
 
     def serves(self, verb: str) -> bool:
         return verb in self.verbs
@@ -52,12 +53,14 @@ class Capabilities:
     def can_read(self, address: Address) -> bool:
         """Whether a resolved address is readable on this handle (what `validate.plan` accepts)."""
         return (self.points and (self.patterns or not address.info.needs_eager_attention)
+                and (self.served is None or address.point in self.served)
                 and (self.taps is None or address in self.taps.readable()))
 
     def can_write(self, address: Address) -> bool:
         """Whether a resolved address is writable on this handle (what `validate.plan` accepts for an Add)."""
         return (self.points and (self.patterns or not address.info.needs_eager_attention)
                 and (self.eager_only_writes or not address.info.eager_only_write)
+                and (self.served is None or address.point in self.served)
                 and (self.taps is None or address in self.taps.writes))
 
 

@@ -163,6 +163,9 @@ class EagerRuntime(TokenizerRuntime):
             cap = getattr(model.config, "final_logit_softcapping", None)
             if cap:
                 logits = torch.tanh(logits / cap) * cap
+            scaling = getattr(model.config, "logits_scaling", None)  # Granite divides its logits after the head
+            if scaling:
+                logits = logits / scaling
         return logits
 
     # ----------------------------------------------------------------------------------------- generate

@@ -120,11 +120,12 @@ class Block:
     """The modules of one decoder layer that hooks go on."""
 
     layer: torch.nn.Module
-    attention: torch.nn.Module
-    attn_out: torch.nn.Module
-    mlp_down: torch.nn.Module
-    mlp_out: torch.nn.Module
-    mid_norm: torch.nn.Module | None  # None: a parallel block, whose resid_mid is realised through attn_out
+    # None where the arch does not serve those points (validation refuses them first).
+    attention: torch.nn.Module | None
+    attn_out: torch.nn.Module | None
+    mlp_down: torch.nn.Module | None
+    mlp_out: torch.nn.Module | None
+    mid_norm: torch.nn.Module | None  # None also: a parallel block, whose resid_mid is realised through attn_out
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,9 +139,12 @@ class Layout:
     @classmethod
     def of(cls, model: torch.nn.Module, arch: Arch, n_layers: int) -> "Layout":
         layers = model.get_submodule(arch.layers)
-        blocks = tuple(Block(layer, layer.get_submodule(arch.attention), layer.get_submodule(arch.attn_out),
-                             layer.get_submodule(arch.mlp_down), layer.get_submodule(arch.mlp_out),
-                             layer.get_submodule(arch.mid_norm) if arch.mid_norm is not None else None)
+
+        def at(layer, path):
+            return layer.get_submodule(path) if path is not None else None
+
+        blocks = tuple(Block(layer, *(at(layer, p) for p in (arch.attention, arch.attn_out, arch.mlp_down,
+                                                               arch.mlp_out, arch.mid_norm)))
                        for layer in (layers[i] for i in range(n_layers)))
         return cls(blocks, model.get_submodule(arch.final_norm))
 

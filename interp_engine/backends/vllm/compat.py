@@ -227,6 +227,13 @@ def input_width(linear) -> int:
     return linear.input_size_per_partition
 
 
+def adds_residual(norm) -> bool:
+    """Whether `norm(x, residual)` adds the residual first (vLLM's fused add-norms)."""
+    from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
+
+    return isinstance(norm, RMSNorm | GemmaRMSNorm)
+
+
 # ------------------------------------------------------------------------------------------- tensor parallel
 
 def tp_rank() -> int:

@@ -56,8 +56,13 @@ def load(repo_id: str, source: str, config, selection: BackendSelection, hardwar
         raise SpecError(fix(f"num_gpus={num_gpus} but {available} {where} are available.",
                             "lower num_gpus, or expose more devices (CUDA_VISIBLE_DEVICES)."))
     arch = arch_for(config, name=str(repo_id))
-    if arch.vllm is None:
+    if arch.vllm is None and not arch.discovered:
         raise BackendError(fix(f"{vllm_support(config, source)}.", 'use backend="eager" for this model.'))
+    if arch.discovered and capabilities.declares_taps:
+        raise BackendError(fix(
+            f"{str(repo_id)!r} is a {config.model_type!r} model, whose residual stream interp_engine finds from its "
+            f"structure ({', '.join(arch.points)}); backend=\"{backend}\" compiles taps only into the families "
+            "with a table.", 'use backend="vllm" (any of those points per request) or backend="eager".'))
     dims = read_dims(config, arch)
     cfg = read_cfg(config, arch, dims)
     taps = Taps.of(static_points, static_writes, dims.n_layers) if capabilities.declares_taps else None

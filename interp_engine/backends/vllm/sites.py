@@ -16,6 +16,7 @@ vLLM carries the residual stream as (hidden, residual) and adds the two first th
 add-norm; a site that edits the stream hands it on as (x, 0), which stays exactly x through the add.
 """
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -59,12 +60,13 @@ def _stream_in(args, kwargs, out):
 
 def _stream_in_repack(args, kwargs, out, new):
     _, _, residual = _layer_args(args, kwargs)
-    zero = None if residual is None else torch.zeros_like(residual)
+    # A layer that takes no residual (its input is the stream itself) gets none.
+    zero = {} if residual is None else {"residual": torch.zeros_like(residual)}
     if len(args) >= 3:
-        return (args[0], new[0], zero, *args[3:]), kwargs
+        return (args[0], new[0], zero.get("residual"), *args[3:]), kwargs
     if len(args) == 2:
-        return (args[0], new[0]), {**kwargs, "residual": zero}
-    return args, {**kwargs, "hidden_states": new[0], "residual": zero}
+        return (args[0], new[0]), {**kwargs, **zero}
+    return args, {**kwargs, "hidden_states": new[0], **zero}
 
 
 # The decoder layer's input, forward(positions, hidden, residual): the stream is hidden + residual.
@@ -129,6 +131,14 @@ SITES = (
 )
 LAYER_SITES = tuple(s for s in SITES if s.scope == "layer")
 MODEL_SITES = tuple(s for s in SITES if s.scope == "model")
+# A layer that returns the stream itself (alone, or first of a tuple): resid_post is that first output.
+_FIRST_SITES = tuple(dataclasses.replace(s, codec=FIRST_OUTPUT) if s.codec is STREAM_OUT else s
+                     for s in LAYER_SITES)
+
+
+def layer_sites(layout) -> tuple[Site, ...]:
+    """The layer sites for a layout's convention of what a layer returns (`VllmLayout.stream_out`)."""
+    return _FIRST_SITES if layout.stream_out == "first" else LAYER_SITES
 
 
 def module_of(site: Site, layout, root):

@@ -19,7 +19,7 @@ from interp_engine.addresses import Address
 from interp_engine.backends.vllm import compat, wire
 from interp_engine.backends.vllm.patterns import record_patterns
 from interp_engine.backends.vllm.shards import Shards
-from interp_engine.backends.vllm.sites import (EMBED, FINAL, LAYER_SITES, LOGITS, MODEL_SITES, Site, layer_positions,
+from interp_engine.backends.vllm.sites import (EMBED, FINAL, LOGITS, MODEL_SITES, Site, layer_positions, layer_sites,
                                                module_of, register)
 from interp_engine.edits import Step, apply, failure
 from interp_engine.spec import Spec
@@ -92,6 +92,7 @@ class InterpExtension:
     def ie_attach(self) -> bool:
         """Once per engine: run `_ie_forward` around every forward of the model (vllm-static does at load)."""
         if not getattr(self, "_ie_attached", False):
+            layout_of(self.model_runner)  # a model with no layout to find is refused here, before any forward
             compat.wrap_model_forward(self.model_runner, self._ie_forward)
             self._ie_attached = True
         return True
@@ -204,13 +205,25 @@ def _records(call: WorkerCall) -> dict[str, list]:
 
 
 def layout_of(runner):
-    from interp_engine.arch import arch_for
+    """The family's vLLM layout; for a model type without a table, the one found in vLLM's module tree (once
+    per model: it walks every module)."""
+    from interp_engine.arch import table_for
 
-    return arch_for(compat.hf_config(runner)).vllm
+    config, model = compat.hf_config(runner), compat.model(runner)
+    arch = table_for(config)
+    if arch is not None:
+        return arch.vllm
+    if getattr(model, "_ie_layout", None) is None:
+        from interp_engine.backends.vllm.discover import discover_layout
+
+        model._ie_layout = discover_layout(model, config)
+    return model._ie_layout
 
 
 def shards_of(runner, layout) -> Shards:
     layer = compat.model(runner).get_submodule(layout.layers)[0]
+    if layout.attention is None:  # a discovered layout: residual-stream points only, none sharded
+        return Shards(compat.hf_config(runner))
     return Shards(compat.hf_config(runner), layer.get_submodule(layout.attention),
                   compat.input_width(layer.get_submodule(layout.mlp_down)))
 
@@ -318,7 +331,7 @@ def install(runner, calls: dict[str, WorkerCall]) -> tuple[StepState, list]:
         if i == 0:  # first of all: map this step's rows to calls
             handles.append(layer.register_forward_pre_hook(
                 lambda m, args, kwargs: state.begin(layer_positions(args, kwargs)), with_kwargs=True))
-        for site in LAYER_SITES:
+        for site in layer_sites(layout):
             handles += _hook(site, layer, i, layout, state, needed, model)
     for site in MODEL_SITES:
         handles += _hook(site, model, None, layout, state, needed, model)
