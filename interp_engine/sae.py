@@ -140,7 +140,8 @@ class SAE:
     def _norm_in(self, x: Tensor) -> tuple[Tensor, tuple]:
         x = x.to(self.W_enc.tensor.dtype)
         if self.normalize == "constant_norm_rescale":
-            coeff = self.d_in ** 0.5 / x.norm(dim=-1, keepdim=True)
+            # A zero vector (padding) stays zero rather than NaN.
+            coeff = self.d_in ** 0.5 / x.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)
             return x * coeff, (coeff,)
         if self.normalize == "layer_norm":
             mu = x.mean(-1, keepdim=True)

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import save_file
 
 from interp_engine import SAE, capture, load_sae, steer
 from interp_engine import spec as S

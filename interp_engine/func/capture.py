@@ -40,5 +40,6 @@ def _with_features(records: dict, points, n_layers: int, lengths: tuple[int, ...
     for read in features:
         x = records[read.sae.reads.resolve(n_layers)]
         valid = torch.arange(x.shape[1])[None, :] < torch.tensor(lengths)[:, None]
-        out[read] = read.sae.encode(flat(x)) * valid[..., None].to(x.device)
+        acts = read.sae.encode(flat(x))
+        out[read] = torch.where(valid[..., None].to(acts.device), acts, 0.0)
     return out
