@@ -12,10 +12,11 @@ import pytest
 import torch
 from safetensors.numpy import save_file
 
-from interp_engine import SAE, capture, load_sae, steer
+from interp_engine import SAE, capture, load_model, load_sae, run_with_grad, steer
 from interp_engine import spec as S
-from interp_engine.errors import InterpEngineError, SpecError
-from tests.conftest import PROMPTS
+from interp_engine.errors import BackendError, InterpEngineError, SpecError
+from tests.conftest import PROMPTS, random_sae
+from tests.skips import requires
 
 LAYER = 1
 
@@ -141,6 +142,37 @@ def test_clamp_ablate_and_splice_equal_hand_written_hf_hooks(model, saes, hf_ref
     torch.testing.assert_close(same, plain, rtol=1e-4, atol=1e-4)
 
 
+def test_gradients_with_respect_to_features_equal_autograd_through_a_hand_written_splice(eager, saes,
+                                                                                        hf_reference):
+    """Reference: HF's forward with layer LAYER's output replaced by f @ W_dec + b_dec + (h - x_hat) held
+    constant, f a leaf; torch.autograd.grad of the same loss with respect to f."""
+    sae, a = saes["jumprelu"]
+    model, hf = eager("llama", grad=True), hf_reference("llama")
+    ids = model.tokenize(PROMPTS[1])
+    t = {k: torch.from_numpy(v) for k, v in a.items()}
+    leaf = {}
+
+    def hook(module, args, output):
+        h = output[0] if isinstance(output, tuple) else output
+        f = torch.from_numpy(_hand_encode(h.detach().numpy(), a, "jumprelu")).requires_grad_()
+        leaf["f"] = f
+        x_hat = f @ t["W_dec"] + t["b_dec"]
+        new = x_hat + (h - x_hat).detach()
+        return (new, *output[1:]) if isinstance(output, tuple) else new
+
+    handle = hf.model.layers[LAYER].register_forward_hook(hook)
+    try:
+        value = hf(torch.tensor([ids])).logits[0, -1, 7]
+        (expected,) = torch.autograd.grad(value, leaf["f"])
+    finally:
+        handle.remove()
+    out = run_with_grad(model, [ids], loss=lambda logits: logits[0, -1, 7], wrt=[sae.features, "resid_post.0"])
+    assert set(out.grads) == {sae.features, S.Address("resid_post", 0)}
+    assert expected.abs().max() > 0, "a zero gradient checks nothing"
+    torch.testing.assert_close(out.grads[sae.features][0], expected[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out.value, value.detach(), rtol=1e-5, atol=1e-5)
+
+
 def test_steer_feature_adds_the_decoder_row(model, saes):
     sae = saes["relu"][0]
     op = S.steer_feature(sae, 9, scale=3.0)
@@ -180,3 +212,15 @@ def test_bad_saes_and_ops_are_refused_before_any_forward_with_the_fix(model, sae
     finally:
         hook.remove()
     assert forwards == [], "a refusal must come before any forward pass"
+
+
+@requires("vllm")
+def test_vllm_static_refuses_sae_edits_and_features_of_an_undeclared_point_before_loading(tiny_path):
+    model = load_model(str(tiny_path("llama")), backend="vllm-static", static_points=["resid_post.1"],
+                       static_writes=["resid_post.1"])
+    sae = random_sae(model.d_model, 1, 3)
+    with pytest.raises(BackendError, match="(?s)compiled tap.*backend=\"vllm\""):
+        steer(model, PROMPTS, S.Clamp(sae, [0], to=1.0), progress=False)
+    with pytest.raises(InterpEngineError, match="resid_post.0"):
+        capture(model, PROMPTS, [random_sae(model.d_model, 0, 4).features], progress=False)
+    assert not model.runtime.is_loaded, "refusals come before the engine loads"

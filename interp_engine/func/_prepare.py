@@ -41,8 +41,8 @@ _REMEDIES = {
     "model": 'model = load_model("path/or/repo"), then pass the handle first: {verb}(model, ...).',
     "tokens": 'pass a string, a list of strings, model.to_tokens(text), or a list of token-id lists.',
     "prompts": 'pass a string, a list of strings, model.to_tokens(text), or a list of token-id lists.',
-    "points": 'pass addresses: ["resid_post.3", Address("attn_out", 0)].',
-    "wrt": 'pass addresses: ["resid_post.3", Address("attn_out", 0)].',
+    "points": 'pass addresses: ["resid_post.3", Address("attn_out", 0)], or an SAE\'s sae.features.',
+    "wrt": 'pass addresses: ["resid_post.3", Address("attn_out", 0)], or an SAE\'s sae.features.',
     "capture": 'pass addresses: capture=["resid_post.3"].',
     "spec": 'pass an op (S.Add("resid_post.3", vector)), a Spec, or a list of ops; read a saved one with '
             'Spec.from_dict(json.load(f)).',
