@@ -74,19 +74,23 @@ def _hidden(hf, ids) -> np.ndarray:
         return hf(torch.tensor([ids]), output_hidden_states=True).hidden_states[LAYER + 1][0].numpy()
 
 
-@pytest.mark.parametrize("kind", ["relu", "topk", "jumprelu"])
-def test_feature_reads_equal_a_hand_written_encode_of_hf_hidden_states(model, saes, hf_reference, kind):
-    sae, arrays = saes[kind]
-    assert sae.reads == S.Address("resid_post", LAYER) and sae.activation == kind
-    cache = capture(model, PROMPTS, [sae.features], progress=False)
-    acts = cache[sae.features]
-    assert acts.shape == (3, max(len(model.tokenize(p)) for p in PROMPTS), sae.d_sae)
+def test_feature_reads_equal_a_hand_written_encode_of_hf_hidden_states(model, saes, hf_reference):
+    """Three SAEs read in one capture (one forward pass), each against its own encode of HF's hidden state."""
+    reads = {kind: saes[kind][0].features for kind in saes}
+    assert [saes[k][0].activation for k in saes] == list(saes)
+    assert {r.sae.reads for r in reads.values()} == {S.Address("resid_post", LAYER)}
+    cache = capture(model, PROMPTS, list(reads.values()), progress=False)
+    assert list(cache) == list(reads.values()), "the point read for the features is not returned unasked"
     for i, prompt in enumerate(PROMPTS):
         ids = model.tokenize(prompt)
-        expected = _hand_encode(_hidden(hf_reference("llama"), ids), arrays, kind, k=8, b_dec_in=kind == "relu")
-        assert np.count_nonzero(expected) > 0, "an SAE that never fires checks nothing"
-        np.testing.assert_allclose(acts[i, :len(ids)].numpy(), expected, rtol=1e-4, atol=1e-4)
-        assert not acts[i, len(ids):].any(), "padding must read as zero features"
+        hidden = _hidden(hf_reference("llama"), ids)
+        for kind, read in reads.items():
+            acts = cache[read]
+            assert acts.shape == (3, max(len(model.tokenize(p)) for p in PROMPTS), read.sae.d_sae)
+            expected = _hand_encode(hidden, saes[kind][1], kind, k=8, b_dec_in=kind == "relu")
+            assert np.count_nonzero(expected) > 0, "an SAE that never fires checks nothing"
+            np.testing.assert_allclose(acts[i, :len(ids)].numpy(), expected, rtol=1e-4, atol=1e-4, err_msg=kind)
+            assert not acts[i, len(ids):].any(), "padding must read as zero features"
 
 
 def test_a_spec_with_an_sae_round_trips_through_json_by_content(saes):
