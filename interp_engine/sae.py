@@ -121,7 +121,10 @@ class SAE:
         """`x` (..., d_in) with `features` set to `value` and the error term kept: only their decoder rows move."""
         normed, stats = self._norm_in(x)
         idx = torch.tensor(features, device=x.device)
-        f = self._act(self._pre(normed)).index_select(-1, idx)
+        if self.activation == "topk":  # whether a feature is in the top k depends on every feature
+            f = self._act(self._pre(normed)).index_select(-1, idx)
+        else:  # relu and jumprelu act per feature: only the clamped columns are encoded
+            f = self._act(self._pre(normed, idx), idx)
         delta = (value - f) @ self._on(self.W_dec, x).index_select(0, idx)
         if self.normalize == "constant_norm_rescale":
             delta = delta / stats[0]
@@ -156,18 +159,20 @@ class SAE:
             return y * stats[1] + stats[0]
         return y
 
-    def _pre(self, x: Tensor) -> Tensor:
+    def _pre(self, x: Tensor, idx: Tensor | None = None) -> Tensor:
         if self.apply_b_dec_to_input:
             x = x - self._on(self.b_dec, x)
-        return x @ self._on(self.W_enc, x) + self._on(self.b_enc, x)
+        w, b = self._on(self.W_enc, x), self._on(self.b_enc, x)
+        return x @ w + b if idx is None else x @ w.index_select(1, idx) + b.index_select(0, idx)
 
-    def _act(self, pre: Tensor) -> Tensor:
+    def _act(self, pre: Tensor, idx: Tensor | None = None) -> Tensor:
         if self.activation == "topk":
             top = pre.topk(self.k, dim=-1)
             return torch.zeros_like(pre).scatter(-1, top.indices, top.values.relu())
         f = pre.relu()
         if self.activation == "jumprelu":
-            f = f * (pre > self._on(self.threshold, pre)).to(f.dtype)
+            threshold = self._on(self.threshold, pre)
+            f = f * (pre > (threshold if idx is None else threshold.index_select(0, idx))).to(f.dtype)
         return f
 
     def encoded(self, tensor: Callable[[TensorData], Any]) -> dict[str, Any]:
