@@ -41,7 +41,7 @@ _REMEDIES = {
     "model": 'model = load_model("path/or/repo"), then pass the handle first: {verb}(model, ...).',
     "tokens": 'pass a string, a list of strings, model.to_tokens(text), or a list of token-id lists.',
     "prompts": 'pass a string, a list of strings, model.to_tokens(text), or a list of token-id lists.',
-    "points": 'pass addresses: ["resid_post.3", Address("attn_out", 0)], or an SAE\'s sae.features.',
+    "points": 'pass addresses: ["resid_post.3", Address("attn_out", 0)] (capture also takes sae.features).',
     "wrt": 'pass addresses: ["resid_post.3", Address("attn_out", 0)], or an SAE\'s sae.features.',
     "capture": 'pass addresses: capture=["resid_post.3"].',
     "spec": 'pass an op (S.Add("resid_post.3", vector)), a Spec, or a list of ops; read a saved one with '
