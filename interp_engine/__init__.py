@@ -10,6 +10,7 @@ from interp_engine.func import (Generation, Gradients, LensTop, capture, forward
 from interp_engine.handle import ModelHandle
 from interp_engine.harvest import Harvest, harvest, load_harvest
 from interp_engine.loading import BackendSelection, load_model, select_backend, vllm_installed
+from interp_engine.sae import SAE, load_sae
 from interp_engine.spec import Spec
 from interp_engine.warnings import BackendFallbackWarning, InterpEngineWarning
 
@@ -19,7 +20,7 @@ __all__ = [
     "Address", "Cache", "ModelHandle", "Spec", "spec", "load_model", "select_backend", "vllm_installed",
     "BackendSelection", "capture", "run_with_cache", "forward", "steer", "generate", "logit_lens", "run_with_grad",
     "Generation", "Gradients", "LensTop",
-    "harvest", "load_harvest", "Harvest",
+    "harvest", "load_harvest", "Harvest", "SAE", "load_sae",
     "InterpEngineError", "PointError", "SpecError", "BackendError", "LoadError", "HarvestError", "InputTypeError",
     "ResultTypeError",
     "InterpEngineWarning", "BackendFallbackWarning", "__version__",

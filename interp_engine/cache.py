@@ -9,6 +9,7 @@ import torch
 from interp_engine import cache_helpers
 from interp_engine.addresses import Address
 from interp_engine.errors import PointError, fix
+from interp_engine.sae import Features
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,7 @@ class Cache(Mapping):
     Rows are prompts; positions past a prompt's length (`lengths[i]`) are padding, filled with zeros.
     """
 
-    tensors: Mapping[Address, torch.Tensor]
+    tensors: Mapping[Address | Features, torch.Tensor]
     lengths: tuple[int, ...]
     n_layers: int
     model_name: str = ""
@@ -28,7 +29,11 @@ class Cache(Mapping):
     def __post_init__(self):
         object.__setattr__(self, "tensors", MappingProxyType(dict(self.tensors)))
 
-    def _key(self, key: "str | Address") -> Address:
+    def _key(self, key: "str | Address | Features") -> "Address | Features":
+        if isinstance(key, Features):
+            if key not in self.tensors:
+                raise PointError(fix(f"this cache holds no {key}.", "capture it: capture(model, tokens, [sae.features])."))
+            return key
         address = Address.parse(key).resolve(self.n_layers, model_name=self.model_name)
         if address not in self.tensors:
             held = ", ".join(map(str, self.tensors)) or "nothing"
@@ -36,7 +41,7 @@ class Cache(Mapping):
                                  f"capture it: capture(model, tokens, [{str(address)!r}])."))
         return address
 
-    def __getitem__(self, key: "str | Address") -> torch.Tensor:
+    def __getitem__(self, key: "str | Address | Features") -> torch.Tensor:
         return self.tensors[self._key(key)]
 
     def get_tensor(self, key: "str | Address") -> torch.Tensor:

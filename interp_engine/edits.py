@@ -13,7 +13,8 @@ from torch import Tensor
 
 from interp_engine.addresses import PointInfo
 from interp_engine.errors import SpecError, fix
-from interp_engine.spec import Ablate, Add, Custom, Patch, Positions, Scale, Set
+from interp_engine.sae import flat
+from interp_engine.spec import Ablate, Add, Clamp, Custom, Patch, Positions, Scale, Set, Splice
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +132,11 @@ def apply(op, x: Tensor, info: PointInfo, step: Step) -> Tensor:
         in_range = None
         fill = torch.zeros_like(x) if op.how == "zero" else _mean(x, info, step).expand_as(x)
         new = fill if op.heads is None else torch.where(_head_mask(op.heads, x, info), fill, x)
+    elif isinstance(op, Clamp | Splice):
+        in_range = None
+        feats = flat(x)
+        new = (op.sae.clamped(feats, op.features, op.to) if isinstance(op, Clamp)
+               else op.sae.spliced(feats, op.error)).reshape(x.shape)
     elif isinstance(op, Custom):
         in_range = None
         new = op.fn(x)

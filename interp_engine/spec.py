@@ -17,6 +17,7 @@ from interp_engine.addresses import Address
 from interp_engine.errors import InputTypeError, InterpEngineError, SpecError, fix
 # Re-exported: a spec's tensors and positions are part of what `interp_engine.spec` offers.
 from interp_engine.positions import ALL, LAST, Positions, PositionKind  # noqa: F401
+from interp_engine.sae import SAE
 from interp_engine.tensor_data import (FLOAT_DTYPES, MAX_INDEX, MAX_NDIM, SPEC_DTYPES, TensorData,  # noqa: F401
                                        is_index, shown)
 
@@ -155,8 +156,70 @@ class Custom:
         return hash((self.point, id(self.fn), self.positions))
 
 
-Op = Union[Add, Set, Scale, Ablate, Patch, Custom]
-OP_TYPES: dict[str, type] = {t.__name__: t for t in (Add, Set, Scale, Ablate, Patch)}
+def _norm_sae(obj: Any) -> None:
+    if not isinstance(obj.sae, SAE):
+        raise InputTypeError(fix(f"{type(obj).__name__}.sae must be an SAE, got {type(obj.sae).__name__}.",
+                                 "load one: sae = load_sae(path)."))
+    if obj.sae.writes is not None:
+        raise SpecError(fix(f"{type(obj).__name__} with a transcoder ({obj.sae.reads} -> {obj.sae.writes}) would "
+                            "need the features of one point at another; not served yet.",
+                            f"capture [sae.features] and write the result with Add/Set at {obj.sae.writes}."))
+    object.__setattr__(obj, "point", Address.parse(obj.sae.reads if obj.point is None else obj.point))
+
+
+@dataclass(frozen=True, slots=True)
+class Clamp:
+    """Set SAE features to `to` at the SAE's point, keeping the SAE's error term:
+    `x + (to - f_i(x)) * W_dec[i]` for each feature i (normalisation undone). `to=0` ablates them."""
+
+    sae: SAE
+    features: tuple[int, ...]
+    to: float = 0.0
+    positions: Positions = ALL
+    point: Address | None = None  # the SAE's point; set only by the backends, to the resolved address
+
+    def __post_init__(self):
+        _norm_sae(self)
+        features = (self.features,) if is_index(self.features) else self.features
+        if not isinstance(features, Sequence) or not features or not all(is_index(f) for f in features):
+            raise SpecError(fix(f"features={shown(self.features)} is not a list of feature indices.",
+                                "write features=[12] or features=[3, 7]."))
+        bad = [f for f in features if not 0 <= f < self.sae.d_sae]
+        if bad:
+            raise SpecError(fix(f"features {shown(bad)} do not exist: this SAE has {self.sae.d_sae} features.",
+                                f"use feature indices in 0..{self.sae.d_sae - 1}."))
+        object.__setattr__(self, "features", tuple(dict.fromkeys(features)))
+        _norm_number(self, "to")
+        _norm_positions(self)
+
+
+@dataclass(frozen=True, slots=True)
+class Splice:
+    """Replace the activation at the SAE's point with its reconstruction; `error=True` adds the error term back
+    (`x_hat + (x - x_hat)`: the same values, but gradients flow through the features)."""
+
+    sae: SAE
+    error: bool = False
+    positions: Positions = ALL
+    point: Address | None = None
+
+    def __post_init__(self):
+        _norm_sae(self)
+        if not isinstance(self.error, bool):
+            raise SpecError(fix(f"Splice.error must be True or False, got {shown(self.error)}.", "write error=True."))
+        _norm_positions(self)
+
+
+def steer_feature(sae: SAE, feature: int, scale: float = 1.0, positions: Any = ALL) -> "Add":
+    """Add `scale` times feature `feature`'s decoder direction at the SAE's point: an `Add` of W_dec[feature]."""
+    if not is_index(feature) or not 0 <= feature < sae.d_sae:
+        raise SpecError(fix(f"feature {shown(feature)} does not exist: this SAE has {sae.d_sae} features.",
+                            f"use a feature index in 0..{sae.d_sae - 1}."))
+    return Add(sae.writes or sae.reads, sae.W_dec.tensor[feature].reshape(-1), scale=scale, positions=positions)
+
+
+Op = Union[Add, Set, Scale, Ablate, Patch, Clamp, Splice, Custom]
+OP_TYPES: dict[str, type] = {t.__name__: t for t in (Add, Set, Scale, Ablate, Patch, Clamp, Splice)}
 
 # ------------------------------------------------------------------------------------------------- spec
 
@@ -170,7 +233,7 @@ class Spec:
     def __post_init__(self):
         ops = tuple(self.ops) if isinstance(self.ops, Sequence) else self.ops
         if not isinstance(ops, tuple) or not all(isinstance(o, Op.__args__) for o in ops):
-            raise InputTypeError(fix("Spec holds ops (Add, Set, Scale, Ablate, Patch, Custom) only.",
+            raise InputTypeError(fix("Spec holds ops (Add, Set, Scale, Ablate, Patch, Clamp, Splice, Custom) only.",
                                      "build it as Spec((Add(...), Scale(...))) or Add(...) + Scale(...)."))
         object.__setattr__(self, "ops", ops)
 
@@ -204,6 +267,8 @@ class Spec:
                     value = str(value)
                 elif isinstance(value, TensorData):
                     value = tensor(value)
+                elif isinstance(value, SAE):
+                    value = value.encoded(tensor)
                 elif isinstance(value, Positions):
                     value = value.to_dict()
                 elif isinstance(value, tuple):
@@ -214,7 +279,7 @@ class Spec:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Spec":
-        """Rebuild a spec from `to_dict` output. Only the five op names are accepted; nothing is executed."""
+        """Rebuild a spec from `to_dict` output. Only the op names of OP_TYPES are accepted; nothing is executed."""
         return cls._decode(d, None)
 
     @classmethod
@@ -252,6 +317,9 @@ class Spec:
                     if name in ("vector", "value", "source"):
                         value = TensorData.from_dict(value, what=f"ops[{i}].{name}", digest=None if fingerprint
                                                      is None else f"{fingerprint}:{i}.{name}")
+                    elif name == "sae":
+                        value = SAE.decoded(value, what=f"ops[{i}].sae", digest=None if fingerprint is None
+                                            else f"{fingerprint}:{i}.sae")
                     elif name == "positions":
                         value = Positions.from_dict(value)
                     if name != "op":
@@ -281,7 +349,7 @@ def _op_add(self: Any, other: "Spec | Op") -> Spec:
     return Spec((self,)) + other
 
 
-for _t in (Add, Set, Scale, Ablate, Patch, Custom):
+for _t in (Add, Set, Scale, Ablate, Patch, Clamp, Splice, Custom):
     _t.__add__ = _op_add
 
 

@@ -26,6 +26,7 @@ MLPAct = Float[Tensor, "batch pos d_mlp"]
 Logits = Float[Tensor, "batch pos d_vocab"]
 LogProbs = Float[Tensor, "layer batch pos d_vocab"]
 Scalar = Float[Tensor, ""]
+FeatureActs = Float[Tensor, "batch pos _d_sae"]  # an SAE's width, not the model's: `_` leaves it unbound
 Vector = Float[Tensor, "..."]
 
 _BY_AXES = {tuple(hint.dim_str.split()): hint for hint in (Resid, Heads, KVHeads, Pattern, MLPAct, Logits)}
@@ -59,4 +60,4 @@ def bind_model(dims) -> None:
 
 
 __all__ = ["Axis", "AXES", "MODEL_AXES", "Tokens", "Resid", "Heads", "KVHeads", "Pattern", "MLPAct", "Logits",
-           "LogProbs", "Scalar", "Vector", "activation", "bind_model", "meta"]
+           "LogProbs", "Scalar", "FeatureActs", "Vector", "activation", "bind_model", "meta"]

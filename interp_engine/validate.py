@@ -8,7 +8,8 @@ import torch
 from interp_engine.addresses import POINTS, Address
 from interp_engine.arch import Dims, families_with
 from interp_engine.errors import BackendError, InterpEngineError, PointError, SpecError, fix
-from interp_engine.spec import SPEC_DTYPES, Ablate, Add, Custom, Patch, Positions, Scale, Set, Spec, shown
+from interp_engine.sae import SAE, Features
+from interp_engine.spec import SPEC_DTYPES, Ablate, Add, Clamp, Custom, Patch, Positions, Scale, Set, Spec, Splice, shown
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +83,21 @@ def _check_value(op, name: str, shape: tuple[int, ...], address: Address, feat: 
     problems.append(SpecError(fix(
         f"{type(op).__name__} at {address}: {name} has shape {shape}, but {address.point} holds {feat} per position.",
         remedy)))
+
+
+def _check_sae(sae: SAE, address: Address, model, problems: list) -> None:
+    """An SAE against the point it reads in this model: a per-position point, d_in values wide."""
+    if address.info.pos_axis != 1:
+        problems.append(SpecError(fix(f"an SAE reads one vector per position; {address} is an attention pattern.",
+                                      "use an SAE trained on a per-position point (resid_post, mlp_out, z, ...).")))
+        return
+    width = 1
+    for s in feature_shape(address, model.dims, 1):
+        width *= s
+    if sae.d_in != width:
+        problems.append(SpecError(fix(
+            f"the SAE reads {sae.d_in} values per position, but {address} of {model.name!r} holds {width}.",
+            f"use an SAE trained on {address.point} of this model (d_in={width}), or the point it was trained on.")))
 
 
 def _largest(t) -> float:
@@ -163,6 +179,17 @@ def plan(model, spec: Spec, reads: Iterable[Address], *, n_prompts: int, longest
         if taps is not None and (refused := taps.refusal(address, write=True)) is not None:
             problems.append(refused)
         feat = feature_shape(address, model.dims, longest)
+        if isinstance(op, Clamp | Splice):
+            home = _resolve(op.sae.reads, model, [])
+            if home is not None and home != address:
+                problems.append(SpecError(fix(f"{type(op).__name__} at {address}, but its SAE reads {home}.",
+                                              f"leave point= unset: {type(op).__name__}(sae, ...) acts at the SAE's point.")))
+            if not capabilities.feature_edits:
+                problems.append(BackendError(fix(
+                    f"{type(op).__name__} at {address} encodes with an SAE, which a compiled tap's per-row "
+                    "(mul, add) cannot express.", 'use backend="vllm" (per request) or backend="eager"; '
+                    "S.steer_feature(sae, i, scale) (an Add of a decoder row) compiles.")))
+            _check_sae(op.sae, address, model, problems)
         if isinstance(op, Add | Set | Patch):
             name = {Add: "vector", Set: "value", Patch: "source"}[type(op)]
             _check_value(op, name, getattr(op, name).shape, address, feat, n_prompts, problems)
@@ -183,7 +210,10 @@ def plan(model, spec: Spec, reads: Iterable[Address], *, n_prompts: int, longest
         ops.setdefault(address, []).append(op)
     resolved_reads = []
     for address in reads:
-        resolved = _resolve(Address.parse(address), model, problems)
+        sae = address.sae if isinstance(address, Features) else None
+        resolved = _resolve(Address.parse(address if sae is None else sae.reads), model, problems)
+        if resolved is not None and sae is not None:
+            _check_sae(sae, resolved, model, problems)
         if resolved is None:
             continue
         if generating and resolved.info.needs_eager_attention:

@@ -145,6 +145,16 @@ def check_each_request_gets_its_own_vector(model, reference, close) -> list[str]
     return prompts
 
 
+def random_sae(d: int, layer: int, seed: int, **kw):
+    """A random SAE of resid_post.`layer` of a d-wide model, 4x wide (`kw`: activation, k, normalize, ...)."""
+    from interp_engine import SAE
+
+    g = torch.Generator().manual_seed(seed)
+    return SAE(torch.randn(d, 4 * d, generator=g) / d ** 0.5, 0.1 * torch.randn(4 * d, generator=g),
+               torch.randn(4 * d, d, generator=g) / d ** 0.5, 0.1 * torch.randn(d, generator=g),
+               f"resid_post.{layer}", **kw)
+
+
 def check_no_steered_kv_reaches_a_plain_call(model, reference) -> None:
     """vLLM's prefix cache keys KV blocks by their tokens. A steered prefill and a steered generation run first
     on a fresh prompt of two blocks and more; a plain generation on it afterwards must equal `reference`'s

@@ -10,7 +10,7 @@ import torch
 
 from interp_engine import capture, generate, load_model, steer
 from interp_engine import spec as S
-from tests.conftest import PROMPTS
+from tests.conftest import PROMPTS, random_sae
 from tests.skips import requires
 
 pytestmark = requires("vllm")
@@ -77,3 +77,19 @@ def test_sync_functions_work_inside_a_running_event_loop(served, solo, eager):
     assert torch.equal(logits, solo[0])
     assert [len(t) for t in out.tokens] == [2, 2, 2]
     assert cache["resid_post.0"].shape[0] == len(PROMPTS)
+
+
+def test_16_calls_with_16_clamps_each_equal_their_solo_run(served, eager):
+    reference = eager("llama")
+    saes = [random_sae(reference.d_model, layer, 10 + layer) for layer in (0, 2)]
+
+    def spec(i: int):
+        return S.Clamp(saes[i % 2], [i, 20 + i], to=5.0 + 3 * i)
+
+    prompts = [PROMPTS[i % 3] + " " + str(i) for i in range(16)]
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        together = list(pool.map(lambda i: steer(served, prompts[i], spec(i), progress=False), range(16)))
+    for i in range(16):
+        solo = steer(reference, prompts[i], spec(i), progress=False)
+        assert torch.allclose(together[i], solo, rtol=1e-4, atol=1e-4), f"call {i}"
+    assert served.runtime.worker_status() == [{"calls": 0, "hooks": 0}]

@@ -9,7 +9,7 @@ import torch
 from interp_engine import BackendError, capture, generate, load_model, logit_lens, run_with_grad, steer
 from interp_engine import spec as S
 from tests.conftest import (PROMPTS, check_each_request_gets_its_own_vector,
-                            check_no_steered_kv_reaches_a_plain_call, no_child_survives)
+                            check_no_steered_kv_reaches_a_plain_call, no_child_survives, random_sae)
 from tests.skips import requires
 
 pytestmark = requires("vllm")
@@ -180,3 +180,22 @@ def test_a_steered_call_never_hands_its_kv_to_a_later_plain_call(served, eager):
     generation after a steered one on the same prompt read the steered KV and gave other tokens)."""
     family, model = served
     check_no_steered_kv_reaches_a_plain_call(model, eager(family))
+
+
+def test_sae_features_clamp_and_splice_equal_eager(served, eager):
+    family, model = served
+    reference = eager(family)
+    d = reference.d_model
+    saes = (random_sae(d, 0, 1, activation="topk", k=16), random_sae(d, 1, 2, apply_b_dec_to_input=True,
+                                                        normalize="constant_norm_rescale"))
+    points = [s.features for s in saes] + ["resid_post.1"]
+    ours, theirs = (capture(m, PROMPTS, points, progress=False) for m in (model, reference))
+    assert list(ours) == list(theirs)
+    for key in theirs:
+        _close(ours[key], theirs[key], str(key))
+    plain = steer(reference, PROMPTS, [], progress=False)
+    for spec in (S.Clamp(saes[0], [5, 9], to=30.0) + S.Clamp(saes[1], [2], to=0.0, positions=[-1]),
+                 S.Splice(saes[1]), S.Splice(saes[0], error=True) + S.Clamp(saes[1], [0], to=12.0)):
+        expected = steer(reference, PROMPTS, spec, progress=False)
+        assert not torch.allclose(expected, plain, atol=1e-3), f"{spec}: the edit must change the logits"
+        _close(steer(model, PROMPTS, spec, progress=False), expected, str(spec))

@@ -9,7 +9,7 @@ from interp_engine import BackendError, capture, generate, load_model, logit_len
 from interp_engine import spec as S
 from interp_engine.backends.vllm.runtime import _LIVE
 from tests.conftest import (PROMPTS, check_each_request_gets_its_own_vector,
-                            check_no_steered_kv_reaches_a_plain_call, no_child_survives)
+                            check_no_steered_kv_reaches_a_plain_call, no_child_survives, random_sae)
 from tests.skips import requires
 
 pytestmark = requires("vllm")
@@ -219,3 +219,16 @@ def test_a_steered_call_never_hands_its_kv_to_a_later_plain_call(static, eager):
     generation after a steered one on the same prompt read the steered KV and gave other tokens)."""
     family, model = static
     check_no_steered_kv_reaches_a_plain_call(model, eager(family))
+
+
+def test_sae_features_and_decoder_steering_equal_eager(static, eager):
+    """Feature reads are encoded on the driver from a declared point; steer_feature is an Add, so it compiles
+    (Clamp and Splice are refused: tests/test_sae.py)."""
+    family, model = static
+    reference = eager(family)
+    sae = random_sae(model.d_model, 1, 5, activation="jumprelu", threshold=torch.full((4 * model.d_model,), 0.2))
+    ours, theirs = (capture(m, PROMPTS, [sae.features], progress=False)[sae.features] for m in (model, reference))
+    assert theirs.count_nonzero() > 0
+    _close(ours, theirs, "features")
+    spec = S.steer_feature(sae, 3, scale=20.0)
+    _close(steer(model, PROMPTS, spec, progress=False), steer(reference, PROMPTS, spec, progress=False), "steered")

@@ -14,6 +14,7 @@ from interp_engine.backends import serving
 from interp_engine.errors import BackendError, InputTypeError, SpecError, fix
 from interp_engine.handle import ModelHandle
 from interp_engine.inputs import Prompts, to_prompts
+from interp_engine.sae import Features
 from interp_engine.spec import as_spec
 from interp_engine.validate import Plan, plan
 
@@ -40,8 +41,8 @@ _REMEDIES = {
     "model": 'model = load_model("path/or/repo"), then pass the handle first: {verb}(model, ...).',
     "tokens": 'pass a string, a list of strings, model.to_tokens(text), or a list of token-id lists.',
     "prompts": 'pass a string, a list of strings, model.to_tokens(text), or a list of token-id lists.',
-    "points": 'pass addresses: ["resid_post.3", Address("attn_out", 0)].',
-    "wrt": 'pass addresses: ["resid_post.3", Address("attn_out", 0)].',
+    "points": 'pass addresses: ["resid_post.3", Address("attn_out", 0)] (capture also takes sae.features).',
+    "wrt": 'pass addresses: ["resid_post.3", Address("attn_out", 0)], or an SAE\'s sae.features.',
     "capture": 'pass addresses: capture=["resid_post.3"].',
     "spec": 'pass an op (S.Add("resid_post.3", vector)), a Spec, or a list of ops; read a saved one with '
             'Spec.from_dict(json.load(f)).',
@@ -104,11 +105,11 @@ def _plain(hint) -> str:
     return str(hint).replace("typing.", "").replace("collections.abc.", "").replace("<class '", "").replace("'>", "")
 
 
-def _addresses(reads: Iterable, verb: str) -> list[Address]:
-    if isinstance(reads, str | Address):
+def _addresses(reads: Iterable, verb: str) -> list[Address | Features]:
+    if isinstance(reads, str | Address | Features):
         reads = [reads]
     try:
-        return [Address.parse(r) for r in reads]
+        return [r if isinstance(r, Features) else Address.parse(r) for r in reads]
     except TypeError:
         raise InputTypeError(fix(f"{verb}() points must be a list of addresses.",
                                  '["resid_post.3", Address("attn_out", 0)]')) from None
@@ -116,7 +117,7 @@ def _addresses(reads: Iterable, verb: str) -> list[Address]:
 
 def require_points(points, verb: str, name: str) -> None:
     """An empty list of points would run a forward pass for nothing."""
-    if not isinstance(points, str | Address) and len(points) == 0:
+    if not isinstance(points, str | Address | Features) and len(points) == 0:
         raise SpecError(fix(f"{verb}() got {name}=[]: no point to read, so there is nothing to return.",
                             f'name at least one point, e.g. {name}=["resid_post.0"]'
                             + ("; steer() returns the logits." if verb == "capture" else ".")))

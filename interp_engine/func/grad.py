@@ -12,6 +12,7 @@ from interp_engine.func._prepare import checked_arguments, prepare, require_poin
 from interp_engine.func.shapes import checked_result
 from interp_engine.handle import ModelHandle
 from interp_engine.inputs import PromptsLike
+from interp_engine.sae import Features, flat
 from interp_engine.spec import Op, Spec
 from interp_engine.typing import Scalar
 from interp_engine.validate import feature_shape
@@ -29,8 +30,11 @@ class Gradients:
 @jaxtyped(typechecker=beartype)
 @checked_result
 def run_with_grad(model: ModelHandle, tokens: PromptsLike, spec: Spec | Op | Sequence[Op] | None = None, *,
-                  loss: Callable[[Tensor], Tensor], wrt: Sequence[str | Address] | str | Address) -> Gradients:
+                  loss: Callable[[Tensor], Tensor],
+                  wrt: Sequence[str | Address | Features] | str | Address | Features) -> Gradients:
     """Value and gradients of `loss(logits)` with respect to the activations at `wrt` (after the spec's edits).
+    `sae.features` in `wrt`: the gradient with respect to the SAE's feature activations, the point being their
+    reconstruction plus an error term held constant (`grads[sae.features]`, batch pos d_sae).
 
     Taken with torch.func as gradients w.r.t. zero deltas added at those points; parameters stay frozen.
     Needs a model loaded with requires_grad=True. Padded positions of `logits` are zeros.
@@ -41,8 +45,17 @@ def run_with_grad(model: ModelHandle, tokens: PromptsLike, spec: Spec | Op | Seq
     if not callable(loss):
         raise SpecError(fix("loss must be a function logits -> scalar tensor.", "loss=lambda logits: logits[0, -1, 7]"))
     require_points(wrt, "run_with_grad", "wrt")
-    prompts, plan = prepare(model, tokens, spec, wrt, purpose="forward", verb="run_with_grad")
-    addresses = sorted({Address.parse(a).resolve(model.n_layers) for a in ([wrt] if isinstance(wrt, str | Address) else wrt)})
+    wanted = [wrt] if isinstance(wrt, str | Address | Features) else list(wrt)
+    features = [w for w in wanted if isinstance(w, Features)]
+    scaled = [str(f) for f in features if f.sae.normalize != "none"]
+    if scaled:
+        raise SpecError(fix(f"gradients with respect to {', '.join(scaled)}: its input normalisation depends on "
+                            "the activation, so the features' gradient is not the point's through W_dec alone.",
+                            "fold the normalisation into the weights (SAELens: fold_activation_norm_scaling_factor), "
+                            "or take wrt=[sae.reads] and apply the chain rule yourself."))
+    prompts, plan = prepare(model, tokens, spec, wanted, purpose="forward", verb="run_with_grad")
+    addresses = sorted({(w.sae.reads if isinstance(w, Features) else Address.parse(w)).resolve(model.n_layers)
+                        for w in wanted})
     width = max(prompts.lengths)
     shapes = {}
     for a in addresses:
@@ -51,6 +64,13 @@ def run_with_grad(model: ModelHandle, tokens: PromptsLike, spec: Spec | Op | Seq
     model.runtime.load()  # here, not lazily inside torch.func's transform (loading calls requires_grad_)
     value, grads = model.runtime.forward_with_grad(prompts, plan, loss=_scalar(loss), wrt=tuple(addresses),
                                                    shapes=shapes)
+    if features:
+        asked = {Address.parse(w).resolve(model.n_layers) for w in wanted if not isinstance(w, Features)}
+        points = grads
+        grads = {a: g for a, g in points.items() if a in asked}
+        for f in features:  # d loss / d f = (d loss / d x) W_dec^T: x = f W_dec + b_dec + error
+            g = flat(points[f.sae.reads.resolve(model.n_layers)])
+            grads[f] = g.to(f.sae.W_dec.tensor.dtype) @ f.sae.W_dec.tensor.to(g.device).T
     return Gradients(value=value, grads=Cache(grads, prompts.lengths, model.n_layers, model.name))
 
 

@@ -19,7 +19,8 @@ from torch import Tensor
 
 from interp_engine.cache import Cache
 from interp_engine.errors import ResultTypeError, fix
-from interp_engine.typing import activation, bind_model, meta
+from interp_engine.sae import Features
+from interp_engine.typing import FeatureActs, activation, bind_model, meta
 
 _BATCH = Shaped[Tensor, "batch"]
 
@@ -87,6 +88,11 @@ def _check_cache(cache, model, what: str) -> None:
         isinstance(meta((len(cache.lengths),)), _BATCH)
         verified = set()
         for address, t in cache.tensors.items():
+            if isinstance(address, Features):  # d_sae is the SAE's own, not the model's: checked here, not bound
+                if not isinstance(t, FeatureActs) or t.shape[-1] != address.sae.d_sae:
+                    _refuse(f"{what}[{address}]", _shown(t), f"FeatureActs (d_sae={address.sae.d_sae})",
+                            FeatureActs.__instancecheck_str__(t) or "its width is not the SAE's", model)
+                continue
             hint = activation(address.info.axes)
             # Every layer of a point comes back alike: a shape already checked against the same hint in this memo
             # binds nothing new, so only the first of each is checked by jaxtyping (~10 us each, not per tensor).

@@ -20,7 +20,7 @@ VLLM = Capabilities(
 )
 VLLM_STATIC = Capabilities(
     backend="vllm-static", verbs=frozenset({"capture", "steer", "generate", "logit_lens"}), points=True,
-    patterns=True, eager_only_writes=False, declares_taps=True, **_ENGINE,
+    patterns=True, eager_only_writes=False, declares_taps=True, feature_edits=False, **_ENGINE,
     fixed_engine_args=("worker_extension_cls", "worker_cls"),
     fixed_because="its taps are installed by interp_engine's worker class",
 )

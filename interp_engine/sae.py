@@ -1,0 +1,318 @@
+"""Sparse autoencoders and transcoders as data: weights as content-addressed tensors (`TensorData`), the point
+they read (and, for a transcoder, the point they write), the activation and the input normalisation. No model, no
+backend: the same `SAE` encodes on the driver (feature reads) and inside an op (`spec.Clamp`, `spec.Splice`) in
+any backend's worker, where it arrives in the spec's table like any other tensor.
+
+`load_sae(path)` reads SAELens's folders (`cfg.json` + `sae_weights.safetensors`) and Gemma Scope's `params.npz`
+(numpy without pickle).
+"""
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from interp_engine.addresses import Address, PointInfo
+from interp_engine.errors import InterpEngineError, SpecError, fix
+from interp_engine.tensor_data import SPEC_DTYPES, TensorData, shown
+
+ACTIVATIONS = ("relu", "jumprelu", "topk")
+NORMALISATIONS = ("none", "constant_norm_rescale", "layer_norm")
+_TENSORS = ("W_enc", "b_enc", "W_dec", "b_dec", "threshold")
+
+
+@dataclass(frozen=True, slots=True)
+class SAE:
+    """`f = act((norm(x) - b_dec * apply_b_dec_to_input) @ W_enc + b_enc)`, `x_hat = denorm(f @ W_dec + b_dec)`.
+
+    `W_enc` is (d_in, d_sae), `W_dec` (d_sae, d_out); `reads` is the point x comes from (its trailing axes
+    flattened to d_in, so a `z` SAE reads n_heads * d_head). `writes` is set for a transcoder, whose
+    reconstruction belongs to another point. `activation` is relu, jumprelu (needs `threshold`, one per feature)
+    or topk (needs `k`). `normalize`: none, constant_norm_rescale (x scaled to norm sqrt(d_in), undone on the
+    way out) or layer_norm, as SAELens names them."""
+
+    W_enc: TensorData
+    b_enc: TensorData
+    W_dec: TensorData
+    b_dec: TensorData
+    reads: Address
+    activation: str = "relu"
+    threshold: TensorData | None = None
+    k: int | None = None
+    normalize: str = "none"
+    apply_b_dec_to_input: bool = False
+    writes: Address | None = None
+
+    def __post_init__(self):
+        problems = []
+        for name in _TENSORS:
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, TensorData.of(value, what=f"SAE.{name}"))
+        for name in ("reads", "writes"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, Address.parse(getattr(self, name)))
+        enc, dec = self.W_enc.shape, self.W_dec.shape
+        if len(enc) != 2 or len(dec) != 2 or enc[1] != dec[0]:
+            problems.append(fix(f"SAE weights W_enc {enc} and W_dec {dec} do not agree.",
+                                "W_enc is (d_in, d_sae) and W_dec is (d_sae, d_out), as SAELens saves them."))
+        else:
+            d_in, d_sae, d_out = enc[0], enc[1], dec[1]
+            for name, want in (("b_enc", d_sae), ("b_dec", d_out), ("threshold", d_sae)):
+                value = getattr(self, name)
+                if value is not None and value.shape != (want,):
+                    problems.append(fix(f"SAE.{name} has shape {value.shape}, not ({want},).",
+                                        f"pass {name} with one entry per {'feature' if want == d_sae else 'output'}."))
+            if self.apply_b_dec_to_input and d_in != d_out:
+                problems.append(fix("apply_b_dec_to_input subtracts b_dec from the input, but d_in != d_out.",
+                                    "set apply_b_dec_to_input=False for a transcoder."))
+            if self.writes is None and d_in != d_out:
+                problems.append(fix(f"this SAE reads {d_in} and writes {d_out} values: a transcoder.",
+                                    "name the point it writes: SAE(..., writes=Address('mlp_out', L))."))
+            if self.activation == "topk" and not (isinstance(self.k, int) and not isinstance(self.k, bool)
+                                                  and 1 <= self.k <= d_sae):
+                problems.append(fix(f"activation topk needs k in 1..{d_sae}, got k={shown(self.k)}.",
+                                    "pass k=, e.g. SAE(..., activation='topk', k=32)."))
+        if self.activation not in ACTIVATIONS:
+            problems.append(fix(f"activation {shown(self.activation)} is not one an SAE here has.",
+                                f"use one of {', '.join(ACTIVATIONS)} (topk with k=)."))
+        if self.activation == "jumprelu" and self.threshold is None:
+            problems.append(fix("activation jumprelu needs a threshold per feature, and none was given.",
+                                "pass threshold= (Gemma Scope's params.npz and SAELens's jumprelu weights hold it)."))
+        if self.normalize not in NORMALISATIONS:
+            problems.append(fix(f"normalize={shown(self.normalize)} is not a normalisation served here.",
+                                f"use one of {', '.join(NORMALISATIONS)}; for expected_average_only_in fold the "
+                                "scaling factor into the weights (SAELens: fold_activation_norm_scaling_factor)."))
+        if problems:
+            raise SpecError(problems[0] if len(problems) == 1 else
+                            f"{len(problems)} problems with this SAE:\n" +
+                            "\n".join(f"{i}. {p}" for i, p in enumerate(problems, 1)))
+
+    @property
+    def d_in(self) -> int:
+        return self.W_enc.shape[0]
+
+    @property
+    def d_sae(self) -> int:
+        return self.W_enc.shape[1]
+
+    @property
+    def d_out(self) -> int:
+        return self.W_dec.shape[1]
+
+    @property
+    def features(self) -> "Features":
+        """What `capture` reads for this SAE's feature activations: `cache[sae.features]` is (batch, pos, d_sae)."""
+        return Features(self)
+
+    def encode(self, x: Tensor) -> Tensor:
+        """Feature activations of `x` (..., d_in), in the SAE's dtype."""
+        return self._act(self._pre(self._norm_in(x)[0]))
+
+    def decode(self, f: Tensor, x: Tensor) -> Tensor:
+        """The reconstruction of `x` from features `f` (normalisation undone with x's own statistics)."""
+        return self._norm_out(f @ self._on(self.W_dec, f) + self._on(self.b_dec, f), self._norm_in(x)[1])
+
+    def clamped(self, x: Tensor, features: tuple[int, ...], value: float) -> Tensor:
+        """`x` (..., d_in) with `features` set to `value` and the error term kept: only their decoder rows move."""
+        normed, stats = self._norm_in(x)
+        idx = torch.tensor(features, device=x.device)
+        if self.activation == "topk":  # whether a feature is in the top k depends on every feature
+            f = self._act(self._pre(normed)).index_select(-1, idx)
+        else:  # relu and jumprelu act per feature: only the clamped columns are encoded
+            f = self._act(self._pre(normed, idx), idx)
+        delta = (value - f) @ self._on(self.W_dec, x).index_select(0, idx)
+        if self.normalize == "constant_norm_rescale":
+            delta = delta / stats[0]
+        elif self.normalize == "layer_norm":
+            delta = delta * stats[1]
+        return x + delta.to(x.dtype)
+
+    def spliced(self, x: Tensor, error: bool) -> Tensor:
+        """`x` (..., d_in) replaced by its reconstruction; with `error`, plus `x - x_hat` held constant."""
+        x_hat = self.decode(self.encode(x), x).to(x.dtype)
+        return x_hat + (x - x_hat).detach() if error else x_hat
+
+    def _on(self, t: TensorData, like: Tensor) -> Tensor:
+        return on_device(t, like.device)
+
+    def _norm_in(self, x: Tensor) -> tuple[Tensor, tuple]:
+        x = x.to(self.W_enc.tensor.dtype)
+        if self.normalize == "constant_norm_rescale":
+            # A zero vector (padding) stays zero rather than NaN.
+            coeff = self.d_in ** 0.5 / x.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)
+            return x * coeff, (coeff,)
+        if self.normalize == "layer_norm":
+            mu = x.mean(-1, keepdim=True)
+            std = (x - mu).std(-1, keepdim=True)
+            return (x - mu) / (std + 1e-5), (mu, std)
+        return x, ()
+
+    def _norm_out(self, y: Tensor, stats: tuple) -> Tensor:
+        if self.normalize == "constant_norm_rescale":
+            return y / stats[0]
+        if self.normalize == "layer_norm":
+            return y * stats[1] + stats[0]
+        return y
+
+    def _pre(self, x: Tensor, idx: Tensor | None = None) -> Tensor:
+        if self.apply_b_dec_to_input:
+            x = x - self._on(self.b_dec, x)
+        w, b = self._on(self.W_enc, x), self._on(self.b_enc, x)
+        return x @ w + b if idx is None else x @ w.index_select(1, idx) + b.index_select(0, idx)
+
+    def _act(self, pre: Tensor, idx: Tensor | None = None) -> Tensor:
+        if self.activation == "topk":
+            top = pre.topk(self.k, dim=-1)
+            return torch.zeros_like(pre).scatter(-1, top.indices, top.values.relu())
+        f = pre.relu()
+        if self.activation == "jumprelu":
+            threshold = self._on(self.threshold, pre)
+            f = f * (pre > (threshold if idx is None else threshold.index_select(0, idx))).to(f.dtype)
+        return f
+
+    def encoded(self, tensor: Callable[[TensorData], Any]) -> dict[str, Any]:
+        """A JSON-ready dict, each tensor written by `tensor` (its bytes, or its digest for a fingerprint)."""
+        out: dict[str, Any] = {name: tensor(getattr(self, name)) for name in _TENSORS if getattr(self, name) is not None}
+        out.update(reads=str(self.reads), writes=None if self.writes is None else str(self.writes),
+                   activation=self.activation, k=self.k, normalize=self.normalize,
+                   apply_b_dec_to_input=self.apply_b_dec_to_input)
+        return out
+
+    @classmethod
+    def decoded(cls, d: Mapping[str, Any], *, what: str, digest: str | None = None) -> "SAE":
+        """Rebuild from `encoded(TensorData.to_dict)`; with `digest` (a table the driver checked) tensors take
+        `{digest}.{name}` as their identity and are not hashed again."""
+        if not isinstance(d, Mapping):
+            raise SpecError(fix(f"{what} is not an SAE dict.", "pass what Spec.to_dict() wrote, unchanged."))
+        known = {*_TENSORS, "reads", "writes", "activation", "k", "normalize", "apply_b_dec_to_input"}
+        if unknown := sorted(shown(k) for k in d if k not in known):
+            raise SpecError(fix(f"{what} has unknown keys {', '.join(unknown)}.", f"an SAE dict holds {sorted(known)}."))
+        kwargs = {k: v for k, v in d.items() if k not in _TENSORS}
+        for name in _TENSORS:
+            if name in d:
+                kwargs[name] = TensorData.from_dict(d[name], what=f"{what}.{name}",
+                                                    digest=None if digest is None else f"{digest}.{name}")
+        try:
+            return cls(**kwargs)
+        except TypeError as e:
+            raise SpecError(fix(f"{what} is malformed: {e}.", "pass what Spec.to_dict() wrote, unchanged.")) from None
+
+
+@dataclass(frozen=True, slots=True)
+class Features:
+    """A read of an SAE's feature activations, for `capture(model, x, [sae.features])`: the SAE's point is read
+    and encoded in the caller's process (d_in values per position cross from a worker, not d_sae)."""
+
+    sae: SAE
+
+    @property
+    def info(self) -> PointInfo:
+        return FEATURES
+
+    def __str__(self) -> str:
+        return f"features of {self.sae.reads} (d_sae={self.sae.d_sae}, W_enc {self.sae.W_enc.digest[:8]})"
+
+
+FEATURES = PointInfo("features", ("batch", "pos", "d_sae"))
+
+# Weights moved to an accelerator once per (digest, device), not per step: a 16x SAE of a 4096-wide model is 1 GB.
+_ON_DEVICE: dict[tuple[str, str], Tensor] = {}
+
+
+def on_device(t: TensorData, device: torch.device) -> Tensor:
+    if device.type == "cpu":
+        return t.tensor
+    key = (t.digest, str(device))
+    if key not in _ON_DEVICE:
+        while len(_ON_DEVICE) >= 16:
+            _ON_DEVICE.pop(next(iter(_ON_DEVICE)))
+        _ON_DEVICE[key] = t.tensor.to(device)
+    return _ON_DEVICE[key]
+
+
+def flat(x: Tensor) -> Tensor:
+    """A point's activation (batch, pos, ...) with its trailing axes as one d_in axis."""
+    return x.reshape(*x.shape[:2], -1)
+
+
+# ---------------------------------------------------------------------------------------------------- loading
+
+
+def load_sae(path: str | Path, *, reads: str | Address | None = None, writes: str | Address | None = None,
+             dtype: torch.dtype | None = None) -> SAE:
+    """An SAE from a SAELens folder (`cfg.json` + `sae_weights.safetensors`) or a Gemma Scope `params.npz`
+    (a file, or the folder holding it). `reads` names the point where the file does not (Gemma Scope's never
+    does; SAELens's `hook_name` is a TransformerLens name, read with `Address.parse`)."""
+    p = Path(path)
+    if p.is_dir() and (p / "cfg.json").is_file():
+        return _from_saelens(p, reads, writes, dtype)
+    npz = p / "params.npz" if p.is_dir() else p
+    if npz.suffix == ".npz" and npz.is_file():
+        return _from_npz(npz, reads, writes, dtype)
+    raise SpecError(fix(f"{p} holds neither a SAELens SAE (cfg.json + sae_weights.safetensors) nor a Gemma Scope "
+                        "params.npz.", "pass the folder SAELens's save_model wrote, or the params.npz file."))
+
+
+def _point(name: str | None, given, what: str, path: Path) -> Address | None:
+    if given is not None:
+        return Address.parse(given)
+    if name is None:
+        return None
+    try:
+        return Address.parse(name)
+    except InterpEngineError as e:
+        raise SpecError(fix(f"{path}: {what} {name!r} is not a point here ({e}).",
+                            f"pass {'reads' if what == 'hook_name' else 'writes'}= to load_sae.")) from None
+
+
+def _from_saelens(p: Path, reads, writes, dtype) -> SAE:
+    from safetensors.torch import load_file  # a flat tensor format: no code in it
+
+    cfg = json.loads((p / "cfg.json").read_text())
+    meta = cfg.get("metadata") or cfg.get("meta") or {}
+    hook = cfg.get("hook_name") or meta.get("hook_name")
+    address = _point(hook, reads, "hook_name", p)
+    if address is None:
+        raise SpecError(fix(f"{p}/cfg.json names no hook_name.", 'pass reads= to load_sae, e.g. reads="resid_post.3".'))
+    arch = cfg.get("architecture", "standard")
+    act = cfg.get("activation_fn_str") or cfg.get("activation_fn") or "relu"
+    activation = {"standard": act, "jumprelu": "jumprelu", "topk": "topk", "transcoder": act,
+                  "jumprelu_transcoder": "jumprelu"}.get(arch, arch)
+    k = cfg.get("k") or (cfg.get("activation_fn_kwargs") or {}).get("k")
+    weights = load_file(str(p / "sae_weights.safetensors"))
+    if "log_threshold" in weights and "threshold" not in weights:  # a training checkpoint's JumpReLU
+        weights["threshold"] = weights.pop("log_threshold").exp()
+    return _built(weights, address, _point(cfg.get("hook_name_out"), writes, "hook_name_out", p), activation, k,
+                  cfg.get("normalize_activations", "none"), bool(cfg.get("apply_b_dec_to_input", False)), dtype, p)
+
+
+def _from_npz(p: Path, reads, writes, dtype) -> SAE:
+    import numpy as np
+
+    if reads is None:
+        raise SpecError(fix(f"{p} (Gemma Scope) does not say which point it reads.",
+                            'pass reads= to load_sae, e.g. load_sae(path, reads="resid_post.12").'))
+    with np.load(p, allow_pickle=False) as params:
+        weights = {name: torch.from_numpy(params[name].copy()) for name in params.files}
+    activation = "jumprelu" if "threshold" in weights else "relu"
+    return _built(weights, Address.parse(reads), None if writes is None else Address.parse(writes), activation,
+                  None, "none", False, dtype, p)
+
+
+def _built(weights: dict, reads, writes, activation, k, normalize, apply_b_dec, dtype, p: Path) -> SAE:
+    missing = [n for n in ("W_enc", "b_enc", "W_dec", "b_dec") if n not in weights]
+    if missing:
+        raise SpecError(fix(f"{p} lacks {', '.join(missing)} (it holds {', '.join(sorted(weights))}).",
+                            "save the SAE with W_enc, b_enc, W_dec, b_dec (and threshold for jumprelu)."))
+    cast = {}
+    for name in _TENSORS:
+        if name in weights:
+            t = weights[name] if dtype is None else weights[name].to(dtype)
+            cast[name] = t if t.dtype in SPEC_DTYPES.values() else t.float()
+    return SAE(**cast, reads=reads, writes=writes, activation=activation, k=k, normalize=normalize,
+               apply_b_dec_to_input=apply_b_dec)

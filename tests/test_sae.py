@@ -1,0 +1,230 @@
+"""SAEs on eager: loading SAELens's and Gemma Scope's files, feature reads against an encode written by hand from
+the saved arrays on HF's own hidden states, Clamp/Splice against hand-written HF forward hooks, and refusals
+before any forward pass.
+
+sae-lens itself is not the reference: it requires transformer-lens (and datasets, nltk, babe, plotly, ...), which
+our pins do not carry, so the reference encode below is written from the files with safetensors and numpy."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import save_file
+
+from interp_engine import SAE, capture, load_model, load_sae, run_with_grad, steer
+from interp_engine import spec as S
+from interp_engine.errors import BackendError, InterpEngineError, SpecError
+from tests.conftest import PROMPTS, random_sae
+from tests.skips import requires
+
+LAYER = 1
+
+
+def _arrays(d_in: int, d_sae: int, seed: int) -> dict[str, np.ndarray]:
+    g = np.random.default_rng(seed)
+    return {"W_enc": (g.standard_normal((d_in, d_sae)) / d_in ** 0.5).astype(np.float32),
+            "b_enc": (0.1 * g.standard_normal(d_sae)).astype(np.float32),
+            "W_dec": (g.standard_normal((d_sae, d_in)) / d_in ** 0.5).astype(np.float32),
+            "b_dec": (0.1 * g.standard_normal(d_in)).astype(np.float32),
+            "threshold": np.abs(0.2 * g.standard_normal(d_sae)).astype(np.float32)}
+
+
+def _saelens(folder, arrays, architecture: str, **cfg):
+    folder.mkdir(parents=True)
+    weights = {k: v for k, v in arrays.items() if k != "threshold" or architecture == "jumprelu"}
+    save_file(weights, str(folder / "sae_weights.safetensors"))
+    d_in, d_sae = arrays["W_enc"].shape
+    (folder / "cfg.json").write_text(json.dumps({
+        "architecture": architecture, "d_in": d_in, "d_sae": d_sae, "dtype": "float32", "device": "cpu",
+        "normalize_activations": "none", "metadata": {"hook_name": f"blocks.{LAYER}.hook_resid_post"}, **cfg}))
+    return folder
+
+
+def _hand_encode(x: np.ndarray, a: dict, kind: str, k: int = 0, b_dec_in: bool = False) -> np.ndarray:
+    pre = (x - a["b_dec"] if b_dec_in else x) @ a["W_enc"] + a["b_enc"]
+    if kind == "topk":
+        out = np.zeros_like(pre)
+        top = np.argsort(-pre, axis=-1)[..., :k]
+        np.put_along_axis(out, top, np.maximum(np.take_along_axis(pre, top, -1), 0), -1)
+        return out
+    relu = np.maximum(pre, 0)
+    return relu * (pre > a["threshold"]) if kind == "jumprelu" else relu
+
+
+@pytest.fixture(scope="module")
+def model(eager):
+    return eager("llama")
+
+
+@pytest.fixture(scope="module")
+def saes(model, tmp_path_factory):
+    """Three SAEs of resid_post.1 as files (SAELens standard with b_dec subtracted, SAELens topk, Gemma Scope
+    jumprelu), with the arrays they were written from."""
+    root, d = tmp_path_factory.mktemp("saes"), model.d_model
+    a = {name: _arrays(d, 4 * d, seed) for seed, name in enumerate(("relu", "topk", "jumprelu"))}
+    np.savez(root / "params.npz", **a["jumprelu"])
+    return {"relu": (load_sae(_saelens(root / "relu", a["relu"], "standard", apply_b_dec_to_input=True)), a["relu"]),
+            "topk": (load_sae(_saelens(root / "topk", a["topk"], "topk", k=8)), a["topk"]),
+            "jumprelu": (load_sae(root / "params.npz", reads=f"resid_post.{LAYER}"), a["jumprelu"])}
+
+
+def _hidden(hf, ids) -> np.ndarray:
+    with torch.no_grad():
+        return hf(torch.tensor([ids]), output_hidden_states=True).hidden_states[LAYER + 1][0].numpy()
+
+
+def test_feature_reads_equal_a_hand_written_encode_of_hf_hidden_states(model, saes, hf_reference):
+    """Three SAEs read in one capture (one forward pass), each against its own encode of HF's hidden state."""
+    reads = {kind: saes[kind][0].features for kind in saes}
+    assert [saes[k][0].activation for k in saes] == list(saes)
+    assert {r.sae.reads for r in reads.values()} == {S.Address("resid_post", LAYER)}
+    cache = capture(model, PROMPTS, list(reads.values()), progress=False)
+    assert list(cache) == list(reads.values()), "the point read for the features is not returned unasked"
+    for i, prompt in enumerate(PROMPTS):
+        ids = model.tokenize(prompt)
+        hidden = _hidden(hf_reference("llama"), ids)
+        for kind, read in reads.items():
+            acts = cache[read]
+            assert acts.shape == (3, max(len(model.tokenize(p)) for p in PROMPTS), read.sae.d_sae)
+            expected = _hand_encode(hidden, saes[kind][1], kind, k=8, b_dec_in=kind == "relu")
+            assert np.count_nonzero(expected) > 0, "an SAE that never fires checks nothing"
+            np.testing.assert_allclose(acts[i, :len(ids)].numpy(), expected, rtol=1e-4, atol=1e-4, err_msg=kind)
+            assert not acts[i, len(ids):].any(), "padding must read as zero features"
+
+
+def test_a_spec_with_an_sae_round_trips_through_json_by_content(saes):
+    sae = saes["jumprelu"][0]
+    spec = S.Clamp(sae, [3, 5], to=4.0) + S.Splice(sae, error=True)
+    again = S.Spec.from_dict(json.loads(json.dumps(spec.to_dict())))
+    assert again == spec and again.fingerprint() == spec.fingerprint()
+    other = S.Clamp(SAE(sae.W_enc.tensor + 1e-3, sae.b_enc, sae.W_dec, sae.b_dec, sae.reads, "jumprelu",
+                        sae.threshold), [3, 5], to=4.0)
+    assert S.Spec((other,)).fingerprint() != S.Spec((spec.ops[0],)).fingerprint()
+
+
+def _hooked_logits(hf, ids, edit) -> torch.Tensor:
+    """HF's forward with `edit(hidden)` applied to layer LAYER's output by a forward hook: the reference."""
+    def hook(module, args, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        new = edit(hidden)
+        return (new, *output[1:]) if isinstance(output, tuple) else new
+
+    handle = hf.model.layers[LAYER].register_forward_hook(hook)
+    try:
+        with torch.no_grad():
+            return hf(torch.tensor([ids])).logits[0]
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("kind", ["relu", "topk", "jumprelu"])
+def test_clamp_ablate_and_splice_equal_hand_written_hf_hooks(model, saes, hf_reference, kind):
+    sae, a = saes[kind]
+    t = {k: torch.from_numpy(v) for k, v in a.items()}
+    ids = model.tokenize(PROMPTS[2])
+    hf = hf_reference("llama")
+
+    def encoded(h):
+        return torch.from_numpy(_hand_encode(h.numpy(), a, kind, k=8, b_dec_in=kind == "relu"))
+
+    def clamp(features, to):
+        return lambda h: h + (to - encoded(h)[..., features]) @ t["W_dec"][features]
+
+    def splice(h):
+        return encoded(h) @ t["W_dec"] + t["b_dec"]
+
+    plain = _hooked_logits(hf, ids, lambda h: h)
+    cases = [(S.Clamp(sae, [7], to=25.0), clamp([7], 25.0)),
+             (S.Clamp(sae, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], to=0.0), clamp(list(range(1, 11)), 0.0)),
+             (S.Splice(sae), splice)]
+    for op, edit in cases:
+        expected = _hooked_logits(hf, ids, edit)
+        assert not torch.allclose(expected, plain, atol=1e-3), f"{op}: the edit must change the logits"
+        torch.testing.assert_close(steer(model, [ids], op, progress=False)[0], expected, rtol=1e-4, atol=1e-4)
+    same = steer(model, [ids], S.Splice(sae, error=True), progress=False)[0]
+    torch.testing.assert_close(same, plain, rtol=1e-4, atol=1e-4)
+
+
+def test_gradients_with_respect_to_features_equal_autograd_through_a_hand_written_splice(eager, saes,
+                                                                                        hf_reference):
+    """Reference: HF's forward with layer LAYER's output replaced by f @ W_dec + b_dec + (h - x_hat) held
+    constant, f a leaf; torch.autograd.grad of the same loss with respect to f."""
+    sae, a = saes["jumprelu"]
+    model, hf = eager("llama", grad=True), hf_reference("llama")
+    ids = model.tokenize(PROMPTS[1])
+    t = {k: torch.from_numpy(v) for k, v in a.items()}
+    leaf = {}
+
+    def hook(module, args, output):
+        h = output[0] if isinstance(output, tuple) else output
+        f = torch.from_numpy(_hand_encode(h.detach().numpy(), a, "jumprelu")).requires_grad_()
+        leaf["f"] = f
+        x_hat = f @ t["W_dec"] + t["b_dec"]
+        new = x_hat + (h - x_hat).detach()
+        return (new, *output[1:]) if isinstance(output, tuple) else new
+
+    handle = hf.model.layers[LAYER].register_forward_hook(hook)
+    try:
+        value = hf(torch.tensor([ids])).logits[0, -1, 7]
+        (expected,) = torch.autograd.grad(value, leaf["f"])
+    finally:
+        handle.remove()
+    out = run_with_grad(model, [ids], loss=lambda logits: logits[0, -1, 7], wrt=[sae.features, "resid_post.0"])
+    assert set(out.grads) == {sae.features, S.Address("resid_post", 0)}
+    assert expected.abs().max() > 0, "a zero gradient checks nothing"
+    torch.testing.assert_close(out.grads[sae.features][0], expected[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out.value, value.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_steer_feature_adds_the_decoder_row(model, saes):
+    sae = saes["relu"][0]
+    op = S.steer_feature(sae, 9, scale=3.0)
+    assert op == S.Add(f"resid_post.{LAYER}", sae.W_dec.tensor[9], scale=3.0)
+
+
+def test_bad_saes_and_ops_are_refused_before_any_forward_with_the_fix(model, saes):
+    d, sae = model.d_model, saes["jumprelu"][0]
+    w = dict(W_enc=torch.randn(d, 16), b_enc=torch.zeros(16), W_dec=torch.randn(16, d), b_dec=torch.zeros(d))
+    with pytest.raises(SpecError, match="(?s)swish.*use one of relu, jumprelu, topk"):
+        SAE(**w, reads="resid_post.0", activation="swish")
+    with pytest.raises(SpecError, match="(?s)jumprelu needs a threshold.*pass threshold="):
+        SAE(**w, reads="resid_post.0", activation="jumprelu")
+    with pytest.raises(SpecError, match="topk needs k"):
+        SAE(**w, reads="resid_post.0", activation="topk")
+    with pytest.raises(SpecError, match=r"features \[16\] do not exist: this SAE has 16 features"):
+        S.Clamp(SAE(**w, reads="resid_post.0"), [16], to=1.0)
+    transcoder = SAE(torch.randn(model.dims.d_mlp, 16), torch.zeros(16), torch.randn(16, d), torch.zeros(d),
+                     reads="mlp_act.0", writes="mlp_out.0")
+    with pytest.raises(SpecError, match="(?s)transcoder.*Add/Set at mlp_out.0"):
+        S.Clamp(transcoder, [0], to=1.0)
+
+    forwards = []
+    hook = model.runtime.model.register_forward_pre_hook(lambda *a: forwards.append(1))
+    try:
+        wide = SAE(torch.randn(d + 1, 16), torch.zeros(16), torch.randn(16, d + 1), torch.zeros(d + 1),
+                   reads="resid_post.0")
+        with pytest.raises(SpecError, match=f"(?s)reads {d + 1} values per position.*holds {d}"):
+            capture(model, PROMPTS, [wide.features], progress=False)
+        pattern = SAE(**w, reads="attn_probs.0")
+        with pytest.raises(InterpEngineError, match=rf"2 problems(.|\n)*holds {d}(.|\n)*attention pattern"):
+            steer(model, PROMPTS, S.Clamp(wide, [0], to=1.0) + S.Splice(pattern), progress=False)
+        with pytest.raises(InterpEngineError, match="resid_post.9 does not exist"):
+            capture(model, PROMPTS, [SAE(**w, reads="resid_post.9").features], progress=False)
+        with pytest.raises(SpecError, match="leave point= unset"):
+            steer(model, PROMPTS, S.Clamp(sae, [0], point="resid_post.0"), progress=False)
+    finally:
+        hook.remove()
+    assert forwards == [], "a refusal must come before any forward pass"
+
+
+@requires("vllm")
+def test_vllm_static_refuses_sae_edits_and_features_of_an_undeclared_point_before_loading(tiny_path):
+    model = load_model(str(tiny_path("llama")), backend="vllm-static", static_points=["resid_post.1"],
+                       static_writes=["resid_post.1"])
+    sae = random_sae(model.d_model, 1, 3)
+    with pytest.raises(BackendError, match="(?s)compiled tap.*backend=\"vllm\""):
+        steer(model, PROMPTS, S.Clamp(sae, [0], to=1.0), progress=False)
+    with pytest.raises(InterpEngineError, match="resid_post.0"):
+        capture(model, PROMPTS, [random_sae(model.d_model, 0, 4).features], progress=False)
+    assert not model.runtime.is_loaded, "refusals come before the engine loads"
