@@ -2,7 +2,6 @@
 memory than is there. Both are refused before any weight is read (`loading.load_model` and the backends' `load`).
 """
 
-from typing import Any
 
 import torch
 
@@ -53,14 +52,15 @@ def memory_there(device: str, num_gpus: int) -> tuple[int, str]:
 def check_fits(name: str, config, selection: BackendSelection, *, quantization: str | None, num_gpus: int,
                there: tuple[int, str] | None = None) -> None:
     """Refuse a config whose weights, priced by the sizer, need more than HEADROOM x the memory there."""
-    from interp_engine.sizing import count_params  # sizing imports loading
-    from interp_engine.sizing_tables import LAYOUTS, SCHEMES
+    from interp_engine.sizing_shapes import count_params, shipped_scheme
+    from interp_engine.sizing_tables import ALIASES, LAYOUTS, SCHEMES, WRAPPERS
 
-    if getattr(config, "model_type", None) not in LAYOUTS:
+    if getattr(config, "model_type", None) not in {*LAYOUTS, *WRAPPERS, *ALIASES}:
         return  # the sizer does not price this family; the loaders refuse what they cannot serve
     shipped = Q.shipped_quantization(config)
     scheme = quantization or (shipped if shipped in SCHEMES else None)
-    need = count_params(config).bytes(selection.dtype.itemsize, scheme if scheme in SCHEMES else None)
+    need = count_params(config).bytes(selection.dtype.itemsize,
+                                      scheme if scheme in SCHEMES else shipped_scheme(config))
     available, where = there or memory_there(selection.device, num_gpus)
     if need > HEADROOM * available:
         raise LoadError(fix(

