@@ -51,6 +51,7 @@ POINTS: dict[str, PointInfo] = {
         PointInfo("resid_mid", _RESID),
         PointInfo("mlp_act", ("batch", "pos", "d_mlp")),
         PointInfo("mlp_out", _RESID),
+        PointInfo("router_logits", ("batch", "pos", "n_experts")),
         PointInfo("resid_post", _RESID),
         PointInfo("final", _RESID, layered=False),
         PointInfo("logits", ("batch", "pos", "d_vocab"), layered=False, eager_only_write=True),
@@ -162,6 +163,7 @@ _TL_PER_LAYER: dict[str, str] = {
     "hook_resid_mid": "resid_mid",
     "mlp.hook_post": "mlp_act",  # input of the down projection (TL: after act, times the gate's up half)
     "hook_mlp_out": "mlp_out",
+    "mlp.hook_gate": "router_logits",  # TL's MoE: the gate's logits, before the softmax and top-k
     "hook_resid_post": "resid_post",
 }
 _TL_MODEL: dict[str, str] = {

@@ -110,7 +110,8 @@ def count_params(config: Any) -> ParamCount:
     layout, d = LAYOUTS[config.model_type], read_dims(config, arch_for(config))
     width = {"d_model": d.d_model, "q": d.n_heads * d.d_head, "kv": d.n_kv_heads * d.d_head, "qkv": 3 * d.d_model,
              "d_mlp": d.d_mlp, "d_head": d.d_head, "head": d.d_model // d.n_heads,
-             "q_kv": (d.n_heads + 2 * d.n_kv_heads) * d.d_head, "2d_mlp": 2 * d.d_mlp}
+             "q_kv": (d.n_heads + 2 * d.n_kv_heads) * d.d_head, "2d_mlp": 2 * d.d_mlp,
+             "n_experts": d.n_experts, "experts_d_mlp": d.n_experts * d.d_mlp, "experts_2d_mlp": 2 * d.n_experts * d.d_mlp}
     linears = [(width[lin.d_in], width[lin.d_out], _flag(config, lin.bias)) for lin in layout.linears]
     norms = sum(width[n.width] * (1 + n.bias) for n in layout.norms if n.when is None or _flag(config, n.when))
     embeddings = d.d_vocab * d.d_model * (2 - bool(getattr(config, "tie_word_embeddings", False)))

@@ -75,6 +75,9 @@ def _mlp(bias: bool | str, *, gated: bool) -> tuple[Linear, ...]:
     return (Linear("d_model", "d_mlp", bias),) * (1 + gated) + (Linear("d_mlp", "d_model", bias),)
 
 
+# A sparse MLP: the router, then every expert's fused gate+up and down matrices, each kind stacked in one tensor
+# (as HF and vLLM hold them; a scheme's per-matrix scales are priced per stack, not per expert).
+_EXPERTS = (Linear("d_model", "n_experts"), Linear("d_model", "experts_2d_mlp"), Linear("experts_d_mlp", "d_model"))
 _RMS, _LN, _FUSED = Norm(), Norm(bias=True), (Linear("d_model", "qkv", True), Linear("d_model", "d_model", True))
 LAYOUTS: dict[str, Layout] = {
     "llama": Layout(_attention("attention_bias", "attention_bias") + _mlp("mlp_bias", gated=True), (_RMS,) * 2, _RMS),
@@ -95,4 +98,7 @@ LAYOUTS: dict[str, Layout] = {
     # Fused projections: one q+k+v matrix and one gate+up matrix, as the checkpoint (and vLLM) holds them.
     "phi3": Layout((Linear("d_model", "q_kv"), Linear("q", "d_model"), Linear("d_model", "2d_mlp"),
                     Linear("d_mlp", "d_model")), (_RMS,) * 2, _RMS),
+    "qwen3_moe": Layout(_attention("attention_bias", "attention_bias") + _EXPERTS,
+                        (_RMS, _RMS, Norm("d_head"), Norm("d_head")), _RMS),
+    "mixtral": Layout(_attention(False, False) + _EXPERTS, (_RMS,) * 2, _RMS),
 }

@@ -9,7 +9,8 @@ from tests.conftest import PROMPTS
 O_PROJ = {"llama": "self_attn.o_proj", "mistral": "self_attn.o_proj", "qwen2": "self_attn.o_proj",
           "qwen3": "self_attn.o_proj", "gemma2": "self_attn.o_proj", "gpt2": "attn.c_proj",
           "gpt_neox": "attention.dense", "phi": "self_attn.dense",
-          "gemma3_text": "self_attn.o_proj", "olmo2": "self_attn.o_proj", "phi3": "self_attn.o_proj"}
+          "gemma3_text": "self_attn.o_proj", "olmo2": "self_attn.o_proj", "phi3": "self_attn.o_proj",
+          "qwen3_moe": "self_attn.o_proj", "mixtral": "self_attn.o_proj"}
 POST_NORMS = {family: ("post_attention_layernorm", "post_feedforward_layernorm")
               for family in ("gemma2", "gemma3_text", "olmo2")}
 ATOL = 1e-5
@@ -68,8 +69,28 @@ def test_every_point_reproduces_the_layer_by_hand(family, eager):
                 attn = layer.get_submodule(post_attn)(attn)
             _close(attn, at("attn_out"))
             _close(at("resid_pre") + at("attn_out"), at("resid_mid"))
-            mlp = layer.get_submodule(model.arch.mlp_down)(at("mlp_act"))
+            if model.arch.moe is not None:
+                mlp = _experts_by_hand(layer, at("resid_mid"), at("router_logits"), hf.config)
+            else:
+                mlp = layer.get_submodule(model.arch.mlp_down)(at("mlp_act"))
             if post_mlp:
                 mlp = layer.get_submodule(post_mlp)(mlp)
             _close(mlp, at("mlp_out"))
             _close(at("resid_mid") + at("mlp_out"), at("resid_post"))
+
+
+def _experts_by_hand(layer, resid_mid, router_logits, config):
+    """A sparse MLP redone from its weights: router_logits is the gate's output, and the block's output is the
+    chosen experts' outputs weighted by their renormalised softmax."""
+    x = layer.post_attention_layernorm(resid_mid)
+    gate = layer.mlp.gate.weight
+    _close(x @ gate.T, router_logits)
+    weights, chosen = torch.softmax(router_logits, -1).topk(config.num_experts_per_tok, dim=-1)
+    if getattr(config, "norm_topk_prob", True):  # Mixtral always renormalises
+        weights = weights / weights.sum(-1, keepdim=True)
+    experts, out = layer.mlp.experts, torch.zeros_like(x)
+    for e in range(gate.shape[0]):
+        g, u = (x @ experts.gate_up_proj[e].T).chunk(2, dim=-1)
+        y = (torch.nn.functional.silu(g) * u) @ experts.down_proj[e].T
+        out += y * (weights * (chosen == e)).sum(-1, keepdim=True)
+    return out

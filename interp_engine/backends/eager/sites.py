@@ -122,9 +122,27 @@ class Block:
     layer: torch.nn.Module
     attention: torch.nn.Module
     attn_out: torch.nn.Module
-    mlp_down: torch.nn.Module
+    mlp_down: torch.nn.Module | None  # None: a sparse MLP (no mlp_act)
     mlp_out: torch.nn.Module
     mid_norm: torch.nn.Module | None  # None: a parallel block, whose resid_mid is realised through attn_out
+    router: "Router | None" = None
+
+
+@dataclass(frozen=True, slots=True)
+class Router:
+    """A sparse MLP's gate, and how the experts choose from its logits (to choose again after an edit)."""
+
+    gate: torch.nn.Module
+    top_k: int
+    renormalize: bool
+
+    def choose(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        """(weights, indices) of the chosen experts, as HF's routers compute them from their logits."""
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        weights, indices = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(logits.dtype), indices
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,9 +156,14 @@ class Layout:
     @classmethod
     def of(cls, model: torch.nn.Module, arch: Arch, n_layers: int) -> "Layout":
         layers = model.get_submodule(arch.layers)
+        optional = lambda layer, path: layer.get_submodule(path) if path is not None else None  # noqa: E731
+        moe, config = arch.moe, model.config
+        router = lambda layer: moe and Router(  # noqa: E731
+            layer.get_submodule(moe.router), getattr(config, moe.top_k_key),
+            moe.renormalize if isinstance(moe.renormalize, bool) else bool(getattr(config, moe.renormalize)))
         blocks = tuple(Block(layer, layer.get_submodule(arch.attention), layer.get_submodule(arch.attn_out),
-                             layer.get_submodule(arch.mlp_down), layer.get_submodule(arch.mlp_out),
-                             layer.get_submodule(arch.mid_norm) if arch.mid_norm is not None else None)
+                             optional(layer, arch.mlp_down), layer.get_submodule(arch.mlp_out),
+                             optional(layer, arch.mid_norm), router(layer) or None)
                        for layer in (layers[i] for i in range(n_layers)))
         return cls(blocks, model.get_submodule(arch.final_norm))
 
@@ -212,6 +235,9 @@ def _layer_hooks(block: Block, i: int, run: Run) -> list:
     if needs_mid and not mid_via_attn:
         handles += _mid_hooks(block, i, run)
 
+    if run.wants(_at("router_logits", i)):
+        handles += _router_hooks(block, i, run)
+
     if run.wants(resid_post):
         handles.append(layer.register_forward_hook(
             lambda m, a, out: _with_first(out, run.touch(resid_post, _first(out)))))
@@ -247,3 +273,24 @@ def _mid_hooks(block: Block, i: int, run: Run) -> list:
     return [block.mid_norm.register_forward_pre_hook(mid_in),
             block.mlp_out.register_forward_hook(mlp_out),
             block.layer.register_forward_hook(block_out)]
+
+
+def _router_hooks(block: Block, i: int, run: Run) -> list:
+    """router_logits, at the gate's output: HF's routers return (logits, weights, indices) computed from the logits
+    inside one forward, so an edit chooses again from the edited logits, as the router would have."""
+    at, router = _at("router_logits", i), block.router
+    shape: list = []
+
+    def mlp_in(module, args):  # the gate sees the rows flat; the point is [batch, pos, n_experts]
+        shape[:] = args[0].shape[:-1]
+
+    def gate_out(module, args, out):
+        logits = out[0]
+        x = logits.view(*shape, logits.shape[-1])
+        edited = run.touch(at, x)
+        if edited is x:
+            return None
+        flat = edited.reshape(logits.shape)
+        return (flat, *router.choose(flat))
+
+    return [block.mlp_out.register_forward_pre_hook(mlp_in), router.gate.register_forward_hook(gate_out)]

@@ -210,9 +210,12 @@ def layout_of(runner):
 
 
 def shards_of(runner, layout) -> Shards:
+    from interp_engine.arch import arch_for, read_dims
+
+    config = compat.hf_config(runner)
     layer = compat.model(runner).get_submodule(layout.layers)[0]
-    return Shards(compat.hf_config(runner), layer.get_submodule(layout.attention),
-                  compat.input_width(layer.get_submodule(layout.mlp_down)))
+    down = compat.input_width(layer.get_submodule(layout.mlp_down)) if layout.mlp_down is not None else 0
+    return Shards(config, layer.get_submodule(layout.attention), down, read_dims(config, arch_for(config)).n_experts)
 
 
 class StepState:
