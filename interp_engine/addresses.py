@@ -20,6 +20,7 @@ class PointInfo:
     layered: bool = True
     eager_only_write: bool = False
     needs_eager_attention: bool = False
+    read_only: bool = False  # derived from another point, never written (write that one instead)
 
     @property
     def head_axis(self) -> int | None:
@@ -52,6 +53,7 @@ POINTS: dict[str, PointInfo] = {
         PointInfo("mlp_act", ("batch", "pos", "d_mlp")),
         PointInfo("mlp_out", _RESID),
         PointInfo("router_logits", ("batch", "pos", "n_experts")),
+        PointInfo("expert_weights", ("batch", "pos", "n_experts"), read_only=True),
         PointInfo("resid_post", _RESID),
         PointInfo("final", _RESID, layered=False),
         PointInfo("logits", ("batch", "pos", "d_vocab"), layered=False, eager_only_write=True),
@@ -185,6 +187,9 @@ _TL_NEAREST_PER_LAYER: dict[str, tuple[str, str]] = {
     "hook_mlp_in": ("resid_mid", "a copy of the MLP input"),
     "mlp.hook_pre": ("mlp_act", "the MLP pre-activation"),
     "mlp.hook_pre_linear": ("mlp_act", "the up projection of a gated MLP"),
+    "mlp.hook_expert_weights": ("expert_weights", "the k chosen experts' weights (ours: every expert's, zero where "
+                                "not chosen)"),
+    "mlp.hook_expert_indices": ("expert_weights", "the k chosen experts' indices (ours: nonzero where chosen)"),
     "ln2_post.hook_normalized": ("mlp_out", "Gemma-2's post-MLP norm output (our mlp_out there)"),
 }
 _TL_NEAREST_MODEL: dict[str, tuple[str, str]] = {

@@ -144,6 +144,10 @@ def plan(model, spec: Spec, reads: Iterable[Address], *, n_prompts: int, longest
         if generating and address.info.needs_eager_attention:
             problems.append(SpecError(fix(f"{address} cannot be edited while generating: the pattern grows every step.",
                                 "edit q/k/v instead, or steer() the full sequence.")))
+        if address.info.read_only:
+            problems.append(SpecError(fix(f"{address} is read-only: the routing weights follow from the router's "
+                                          "logits (softmax, top-k, renormalised).",
+                                          f"write router_logits.{address.layer} to change which experts are chosen.")))
         if address.info.eager_only_write and not capabilities.eager_only_writes:
             problems.append(BackendError(fix(f"{address} can be written only on the eager backend.",
                                              'use backend="eager" to edit it.')))

@@ -222,6 +222,8 @@ MOE_REQUESTS = [
                  ("mlp_act.0 does not exist", "router_logits", "mlp_out"), id="mlp-act-on-moe"),
     pytest.param("qwen3_moe", lambda m: capture(m, _tokens(m), ["router_logits.3"]), PointError,
                  ("router_logits.3 does not exist", "3 layers"), id="router-layer-out-of-range"),
+    pytest.param("mixtral", lambda m: steer(m, _tokens(m), S.Ablate("expert_weights.0")), SpecError,
+                 ("expert_weights.0 is read-only", "write router_logits.0"), id="expert-weights-written"),
     pytest.param("qwen3_moe", lambda m: steer(m, _tokens(m), S.Add("router_logits.0", torch.ones(4))), SpecError,
                  ("router_logits holds (8,) per position",), id="router-vector-of-the-wrong-width"),
 ]

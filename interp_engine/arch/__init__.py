@@ -37,6 +37,30 @@ class Moe:
     renormalize: str | bool
     top_k_key: str = "num_experts_per_tok"
 
+    def routing(self, config) -> tuple[int, bool]:
+        """(top k, renormalised) as this config sets them."""
+        renormalize = self.renormalize if isinstance(self.renormalize, bool) else getattr(config, self.renormalize)
+        return getattr(config, self.top_k_key), bool(renormalize)
+
+
+def route(logits, top_k: int, renormalize: bool):
+    """(weights, indices) of the chosen experts from router logits, as HF's routers and vLLM's top-k compute them:
+    softmax in float32, top k, renormalised to sum to 1 where the family does. One semantics for every backend."""
+    import torch
+
+    weights, indices = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), indices
+
+
+def dense_weights(weights, indices, n_experts: int):
+    """expert_weights: every expert's weight in the token's mlp_out, zero where it was not chosen."""
+    import torch
+
+    return torch.zeros((*weights.shape[:-1], n_experts), dtype=weights.dtype,
+                       device=weights.device).scatter(-1, indices, weights)
+
 
 @dataclass(frozen=True, slots=True)
 class Arch:
@@ -65,12 +89,12 @@ class Arch:
         if point == "mlp_act" and self.moe is not None:
             return fix(f"mlp_act has no single meaning in a {self.family} model: each token's MLP is a weighted sum "
                        "of its chosen experts, each with its own hidden layer.",
-                       "read router_logits (the router's choice) or mlp_out (what the experts add to the residual "
+                       "read router_logits or expert_weights (the router's choice) or mlp_out (what the experts add to the residual "
                        "stream together).")
         return None
 
 
-MOE_POINTS = ("router_logits",)
+MOE_POINTS = ("router_logits", "expert_weights")
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,8 +35,9 @@ class SteerCase:
 
 
 def has_point(name: str, dims: Dims) -> bool:
-    """A mixture-of-experts model has router_logits and no mlp_act; a dense one the other way round."""
-    return name not in ("router_logits", "mlp_act") or (name == "router_logits") == bool(dims.n_experts)
+    """A mixture-of-experts model has router_logits and expert_weights and no mlp_act; a dense one the other way
+    round."""
+    return name not in ("router_logits", "expert_weights", "mlp_act") or (name != "mlp_act") == bool(dims.n_experts)
 
 
 def steer_layer(dims: Dims) -> int:
@@ -57,7 +58,7 @@ def steer_cases(dims: Dims) -> list[SteerCase]:
     layer = steer_layer(dims)
     cases = []
     for name, info in POINTS.items():
-        if not has_point(name, dims):
+        if not has_point(name, dims) or info.read_only:
             continue
         address = Address(name, layer) if info.layered else Address(name)
         if info.eager_only_write:

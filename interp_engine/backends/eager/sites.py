@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from interp_engine.addresses import Address
-from interp_engine.arch import Arch
+from interp_engine.arch import Arch, dense_weights, route
 from interp_engine.backends.eager.attention import SITE_KW, eager_pattern
 from interp_engine.edits import Step, apply, failure
 from interp_engine.errors import InterpEngineError
@@ -136,14 +136,6 @@ class Router:
     top_k: int
     renormalize: bool
 
-    def choose(self, logits: Tensor) -> tuple[Tensor, Tensor]:
-        """(weights, indices) of the chosen experts, as HF's routers compute them from their logits."""
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
-        weights, indices = torch.topk(probs, self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(logits.dtype), indices
-
 
 @dataclass(frozen=True, slots=True)
 class Layout:
@@ -158,9 +150,7 @@ class Layout:
         layers = model.get_submodule(arch.layers)
         optional = lambda layer, path: layer.get_submodule(path) if path is not None else None  # noqa: E731
         moe, config = arch.moe, model.config
-        router = lambda layer: moe and Router(  # noqa: E731
-            layer.get_submodule(moe.router), getattr(config, moe.top_k_key),
-            moe.renormalize if isinstance(moe.renormalize, bool) else bool(getattr(config, moe.renormalize)))
+        router = lambda layer: moe and Router(layer.get_submodule(moe.router), *moe.routing(config))  # noqa: E731
         blocks = tuple(Block(layer, layer.get_submodule(arch.attention), layer.get_submodule(arch.attn_out),
                              optional(layer, arch.mlp_down), layer.get_submodule(arch.mlp_out),
                              optional(layer, arch.mid_norm), router(layer) or None)
@@ -235,7 +225,7 @@ def _layer_hooks(block: Block, i: int, run: Run) -> list:
     if needs_mid and not mid_via_attn:
         handles += _mid_hooks(block, i, run)
 
-    if run.wants(_at("router_logits", i)):
+    if run.wants(_at("router_logits", i)) or run.wants(_at("expert_weights", i)):
         handles += _router_hooks(block, i, run)
 
     if run.wants(resid_post):
@@ -276,9 +266,10 @@ def _mid_hooks(block: Block, i: int, run: Run) -> list:
 
 
 def _router_hooks(block: Block, i: int, run: Run) -> list:
-    """router_logits, at the gate's output: HF's routers return (logits, weights, indices) computed from the logits
-    inside one forward, so an edit chooses again from the edited logits, as the router would have."""
-    at, router = _at("router_logits", i), block.router
+    """router_logits and expert_weights, at the gate's output: HF's routers return (logits, weights, indices)
+    computed from the logits inside one forward, so an edit chooses again from the edited logits, as the router
+    would have."""
+    at, weights_at, router = _at("router_logits", i), _at("expert_weights", i), block.router
     shape: list = []
 
     def mlp_in(module, args):  # the gate sees the rows flat; the point is [batch, pos, n_experts]
@@ -288,9 +279,10 @@ def _router_hooks(block: Block, i: int, run: Run) -> list:
         logits = out[0]
         x = logits.view(*shape, logits.shape[-1])
         edited = run.touch(at, x)
-        if edited is x:
-            return None
         flat = edited.reshape(logits.shape)
-        return (flat, *router.choose(flat))
+        chosen = tuple(out[1:]) if edited is x else route(flat, router.top_k, router.renormalize)
+        if run.wants(weights_at):
+            run.touch(weights_at, dense_weights(*chosen, logits.shape[-1]).to(x.dtype).view(x.shape))
+        return None if edited is x else (flat, *chosen)
 
     return [block.mlp_out.register_forward_pre_hook(mlp_in), router.gate.register_forward_hook(gate_out)]

@@ -209,6 +209,21 @@ def layout_of(runner):
     return arch_for(compat.hf_config(runner)).vllm
 
 
+def routing_of(runner) -> tuple[int, bool] | None:
+    """(top k, renormalised) of a mixture-of-experts model; None for a dense one."""
+    from interp_engine.arch import arch_for
+
+    config = compat.hf_config(runner)
+    moe = arch_for(config).moe
+    return moe.routing(config) if moe is not None else None
+
+
+def expert_weights(logits, routing: tuple[int, bool]):
+    from interp_engine.arch import dense_weights, route
+
+    return dense_weights(*route(logits, *routing), logits.shape[-1])
+
+
 def shards_of(runner, layout) -> Shards:
     from interp_engine.arch import arch_for, read_dims
 
@@ -225,6 +240,7 @@ class StepState:
         self.runner, self.calls = runner, calls
         layout = layout_of(runner)
         self.shards = shards_of(runner, layout)
+        self.routing = routing_of(runner)
         model = compat.model(runner)
         norm = model.get_submodule(layout.final_norm)
         # Every rank runs this (compute_logits gathers the vocab-parallel shards, a collective).
@@ -335,7 +351,9 @@ def _hook(site: Site, root, layer: int | None, layout, state: StepState, needed:
     patterns = site.points == ("q", "k", "v") and (Address("attn_scores", layer) in needed
                                                    or Address("attn_probs", layer) in needed)
     logits = site.points == ("final",) and LOGITS in needed
-    if not any(chains) and not patterns and not logits:
+    weights = Address("expert_weights", layer) if site.points == ("router_logits",) else None
+    routing = weights in needed and state.routing
+    if not any(chains) and not patterns and not logits and not routing:
         return []
     module = module_of(site, layout, root)
     shards = state.shards
@@ -343,7 +361,7 @@ def _hook(site: Site, root, layer: int | None, layout, state: StepState, needed:
     def transform(xs):
         out, full = [], {}
         for point, chain, x in zip(site.points, chains, xs):
-            if not chain and not (patterns and point in ("q", "k")) and not logits:
+            if not chain and not (patterns and point in ("q", "k")) and not logits and not routing:
                 out.append(x)
                 continue
             gathered = shards.present(point, x)
@@ -352,6 +370,8 @@ def _hook(site: Site, root, layer: int | None, layout, state: StepState, needed:
                 edited = state.touch(address, edited)
             if logits:  # all ranks compute (the vocab-parallel gather is a collective); rank 0's copy is kept
                 state.touch(LOGITS, model.compute_logits(edited))
+            if routing:  # the weights vLLM's top-k takes from these (edited) logits, recomputed
+                state.touch(weights, expert_weights(edited, state.routing))
             full[point] = edited
             out.append(x if edited is gathered else shards.split(point, edited).reshape(x.shape).to(x.dtype))
         if patterns:  # recomputed from the q and k the kernel will see, after any edits to them
