@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from interp_engine import BackendError, capture, load_model
+from interp_engine.errors import PointError
 from interp_engine import spec as S
 from interp_engine.backends.vllm.runtime import _LIVE
 from tests.conftest import PROMPTS, no_child_survives
@@ -101,11 +102,13 @@ def test_moe_families_have_router_logits_and_no_mlp_act(family, eager):
 
 
 def test_router_steering_chooses_the_same_experts_as_on_eager(served, eager, hf_reference):
-    """Negating layer 0's router logits makes each token choose its least likely experts: on vLLM exactly as on
+    """On a dense family the router points are refused. Negating layer 0's router logits makes each token choose its least likely experts: on vLLM exactly as on
     eager, and as HF's own model does with that gate's weight negated (the independent reference)."""
     family, backend, model = served
-    if family not in MOE:
-        pytest.skip("a dense family has no router")
+    if family not in MOE:  # a dense model: refused before any request, naming the families that have a router
+        with pytest.raises(PointError, match=r"(?s)router_logits.0 does not exist.*mixtral, qwen3_moe"):
+            capture(model, PROMPTS, ["router_logits.0"])
+        return
     flip = S.Scale("router_logits.0", -1.0)
     read = ["router_logits.0", "mlp_out.0", "logits"]
     plain, ours, theirs = (capture(model, PROMPTS, read), capture(model, PROMPTS, read, flip),
