@@ -20,6 +20,7 @@ class PointInfo:
     layered: bool = True
     eager_only_write: bool = False
     needs_eager_attention: bool = False
+    read_only: bool = False  # derived from another point, never written (write that one instead)
 
     @property
     def head_axis(self) -> int | None:
@@ -51,6 +52,8 @@ POINTS: dict[str, PointInfo] = {
         PointInfo("resid_mid", _RESID),
         PointInfo("mlp_act", ("batch", "pos", "d_mlp")),
         PointInfo("mlp_out", _RESID),
+        PointInfo("router_logits", ("batch", "pos", "n_experts")),
+        PointInfo("expert_weights", ("batch", "pos", "n_experts"), read_only=True),
         PointInfo("resid_post", _RESID),
         PointInfo("final", _RESID, layered=False),
         PointInfo("logits", ("batch", "pos", "d_vocab"), layered=False, eager_only_write=True),
@@ -162,6 +165,7 @@ _TL_PER_LAYER: dict[str, str] = {
     "hook_resid_mid": "resid_mid",
     "mlp.hook_post": "mlp_act",  # input of the down projection (TL: after act, times the gate's up half)
     "hook_mlp_out": "mlp_out",
+    "mlp.hook_gate": "router_logits",  # TL's MoE: the gate's logits, before the softmax and top-k
     "hook_resid_post": "resid_post",
 }
 _TL_MODEL: dict[str, str] = {
@@ -183,6 +187,9 @@ _TL_NEAREST_PER_LAYER: dict[str, tuple[str, str]] = {
     "hook_mlp_in": ("resid_mid", "a copy of the MLP input"),
     "mlp.hook_pre": ("mlp_act", "the MLP pre-activation"),
     "mlp.hook_pre_linear": ("mlp_act", "the up projection of a gated MLP"),
+    "mlp.hook_expert_weights": ("expert_weights", "the k chosen experts' weights (ours: every expert's, zero where "
+                                "not chosen)"),
+    "mlp.hook_expert_indices": ("expert_weights", "the k chosen experts' indices (ours: nonzero where chosen)"),
     "ln2_post.hook_normalized": ("mlp_out", "Gemma-2's post-MLP norm output (our mlp_out there)"),
 }
 _TL_NEAREST_MODEL: dict[str, tuple[str, str]] = {

@@ -107,7 +107,8 @@ class ModelHandle:
                                 key=lambda a: (list(POINTS).index(a.point), a.layer or 0)))
         out = []
         for info in POINTS.values():
-            if (info.needs_eager_attention and not capabilities.patterns) or not self.arch.serves(info.name):
+            if ((info.needs_eager_attention and not capabilities.patterns) or not self.arch.serves(info.name)
+                    or self.arch.lacks(info.name)):
                 continue
             if info.layered:
                 out += [Address(info.name, i) for i in range(self.n_layers)]

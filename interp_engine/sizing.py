@@ -59,6 +59,7 @@ __all__ = ["GPUS_MIB", "KV_CACHE_DTYPES", "LAYOUTS", "OVERHEAD_BYTES", "SCHEMES"
            "kv_bytes_per_token", "read_config", "snippet", "state_bytes_per_sequence", "to_config",
            "tokens_per_step"]
 
+
 def read_config(repo_or_path: Any) -> tuple[str, dict]:
     """(what load_model is given, config.json parsed) for a folder, a config.json path, or a repo id in the HF cache."""
     from huggingface_hub import try_to_load_from_cache

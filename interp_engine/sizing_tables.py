@@ -112,6 +112,8 @@ def _gated(d_mlp: str, *, where: str = "all", times: str | None = None) -> tuple
 
 
 # MoE: a replicated router, routed experts, and (DeepSeek, Qwen3-Next) shared experts that every token runs.
+_SPARSE = (Linear("d_model", "n_experts", where="moe", replicated=True),) + _gated("d_expert", where="moe",
+                                                                                  times="n_experts")
 _MLA = (Linear("d_model", "q_lora", where="q_lora", replicated=True), Linear("q_lora", "q_mla", where="q_lora"),
         Linear("d_model", "q_mla", where="no_q_lora"), Linear("d_model", "kv_a", replicated=True),
         Linear("kv_lora", "kv_b"), Linear("o_mla", "d_model"))
@@ -123,15 +125,17 @@ _DELTA_NORMS = (Norm("d_head", where="attention"),) * 2 + (Norm("lv_heads", wher
 _DELTA_CONV_OUT = (Linear("kernel", "lin_conv", where="linear_attention"),
                    Linear("value_dim", "d_model", where="linear_attention"))
 LAYOUTS.update({
+    # Every layer sparse (published checkpoints): a replicated router and the routed experts, no shared expert.
+    "qwen3_moe": Layout(_attention("attention_bias", "attention_bias") + _SPARSE,
+                        (_RMS, _RMS, Norm("d_head"), Norm("d_head")), _RMS),
+    "mixtral": Layout(_attention(False, False) + _SPARSE, (_RMS,) * 2, _RMS),
     "deepseek_v3": Layout(_MLA + _gated("d_mlp", where="dense")
-                          + (Linear("d_model", "n_experts", where="moe", replicated=True),)
-                          + _gated("d_expert", where="moe", times="n_experts") + _gated("d_shared", where="moe"),
+                          + _SPARSE + _gated("d_shared", where="moe"),
                           (_RMS, _RMS, Norm("q_lora", where="q_lora"), Norm("kv_lora")),
                           _RMS, cache="latent"),
     "qwen3_next": Layout(_GATED_ATTENTION + (Linear("d_model", "lin_qkvz", where="linear_attention"),
                                              Linear("d_model", "lin_ba", where="linear_attention")) + _DELTA_CONV_OUT
-                         + _gated("d_mlp", where="dense") + (Linear("d_model", "n_experts", where="moe", replicated=True),)
-                         + _gated("d_expert", where="moe", times="n_experts") + _gated("d_shared", where="moe")
+                         + _gated("d_mlp", where="dense") + _SPARSE + _gated("d_shared", where="moe")
                          + (Linear("d_model", "one", where="moe", replicated=True),),
                          (_RMS, _RMS) + _DELTA_NORMS, _RMS),
     "qwen3_5_text": Layout(_GATED_ATTENTION + tuple(Linear("d_model", w, where="linear_attention") for w in

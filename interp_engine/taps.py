@@ -38,7 +38,7 @@ class Taps:
     def of(cls, static_points: Any, static_writes: Any, n_layers: int) -> "Taps":
         reads = declare(static_points, n_layers, keyword="static_points")
         writes = declare(static_writes, n_layers, keyword="static_writes")
-        eager_only = [str(a) for a in writes if a.info.eager_only_write]
+        eager_only = [str(a) for a in writes if a.info.eager_only_write or a.info.read_only]
         if eager_only:
             raise SpecError(fix(f"static_writes={eager_only}: these points can be written only on the eager backend.",
                                 "drop them from static_writes; edit them with backend=\"eager\"."))
@@ -49,6 +49,8 @@ class Taps:
         it), and for an attention pattern its layer's q and k (the pattern is recomputed from them)."""
         out = {a for a in self.reads if a.point not in PATTERNS and a not in ALWAYS} | {ALWAYS[0]}
         out |= {Address(p, a.layer) for a in self.reads if a.point in PATTERNS for p in ("q", "k")}
+        # expert_weights are recomputed from the layer's router logits, as vLLM's top-k computes them.
+        out = {Address("router_logits", a.layer) if a.point == "expert_weights" else a for a in out}
         return tuple(sorted(out))
 
     def readable(self) -> tuple[Address, ...]:

@@ -8,7 +8,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gpt2", "gpt_neox", "phi", "gemma3_text", "olmo2", "phi3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gpt2", "gpt_neox", "phi", "gemma3_text", "olmo2", "phi3",
+            "qwen3_moe", "mixtral")
 # Model types without a table, served at the residual stream by discovery (interp_engine/arch/discover.py).
 DISCOVERED = ("stablelm", "granite")
 
@@ -76,6 +77,16 @@ _BASE: dict[str, dict[str, Any]] = {
                     num_key_value_heads=2, max_position_embeddings=512, embedding_multiplier=12.0,
                     residual_multiplier=0.22, attention_multiplier=1 / 32, logits_scaling=8.0,
                     tie_word_embeddings=True),
+    # Qwen3-30B-A3B's layout scaled down: every layer sparse, top-k weights renormalised, 128 experts cut to 8 and
+    # top-8 to top-2 (so that steering the router can move a token between experts that matter).
+    "qwen3_moe": dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
+                      num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                      max_position_embeddings=512, tie_word_embeddings=False),
+    # Mixtral-8x7B's layout scaled down: 8 experts cut to 4, top-2, no sliding window.
+    "mixtral": dict(hidden_size=128, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                    num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=512,
+                    sliding_window=None, tie_word_embeddings=False),
 }
 
 

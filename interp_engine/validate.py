@@ -23,7 +23,8 @@ class Plan:
 def feature_shape(address: Address, dims: Dims, width: int) -> tuple[int, ...]:
     """One position's shape at `address` (for attention patterns: one query row, `width` keys)."""
     sizes = {"d_model": dims.d_model, "n_heads": dims.n_heads, "n_kv_heads": dims.n_kv_heads,
-             "d_head": dims.d_head, "d_mlp": dims.d_mlp, "d_vocab": dims.d_vocab, "k_pos": width}
+             "d_head": dims.d_head, "d_mlp": dims.d_mlp, "d_vocab": dims.d_vocab, "k_pos": width,
+             "n_experts": dims.n_experts}
     return tuple(sizes[a] for a in address.info.axes if a not in ("batch", "pos", "q_pos"))
 
 
@@ -32,6 +33,10 @@ def _resolve(address: Address, model, problems: list) -> Address | None:
         resolved = address.resolve(model.n_layers, model_name=model.name)
     except InterpEngineError as e:
         problems.append(e)
+        return None
+    lacks = model.arch.lacks(resolved.point)
+    if lacks is not None:
+        problems.append(PointError(f"{resolved} does not exist in {model.name!r}: {lacks}"))
         return None
     # Only eager narrows patterns away (HF attention other than "eager" never forms the weights).
     if resolved.info.needs_eager_attention and not model.capabilities.patterns:
@@ -164,6 +169,10 @@ def plan(model, spec: Spec, reads: Iterable[Address], *, n_prompts: int, longest
         if generating and address.info.needs_eager_attention:
             problems.append(SpecError(fix(f"{address} cannot be edited while generating: the pattern grows every step.",
                                 "edit q/k/v instead, or steer() the full sequence.")))
+        if address.info.read_only:
+            problems.append(SpecError(fix(f"{address} is read-only: the routing weights follow from the router's "
+                                          "logits (softmax, top-k, renormalised).",
+                                          f"write router_logits.{address.layer} to change which experts are chosen.")))
         if address.info.eager_only_write and not capabilities.eager_only_writes:
             problems.append(BackendError(fix(f"{address} can be written only on the eager backend.",
                                              'use backend="eager" to edit it.')))

@@ -213,6 +213,35 @@ def test_a_loss_that_is_not_a_scalar_names_the_reduction(eager):
     assert_still_works(model)
 
 
+MOE_REQUESTS = [
+    pytest.param("llama", lambda m: capture(m, _tokens(m), ["router_logits.0"]), PointError,
+                 ("router_logits.0 does not exist", "dense llama model", "mixtral, qwen3_moe"), id="router-on-dense"),
+    pytest.param("llama", lambda m: steer(m, _tokens(m), S.Add("router_logits.1", torch.ones(4))), PointError,
+                 ("router_logits.1 does not exist", "mixtral, qwen3_moe"), id="router-write-on-dense"),
+    pytest.param("mixtral", lambda m: capture(m, _tokens(m), ["mlp_act.0"]), PointError,
+                 ("mlp_act.0 does not exist", "router_logits", "mlp_out"), id="mlp-act-on-moe"),
+    pytest.param("qwen3_moe", lambda m: capture(m, _tokens(m), ["router_logits.3"]), PointError,
+                 ("router_logits.3 does not exist", "3 layers"), id="router-layer-out-of-range"),
+    pytest.param("mixtral", lambda m: steer(m, _tokens(m), S.Ablate("expert_weights.0")), SpecError,
+                 ("expert_weights.0 is read-only", "write router_logits.0"), id="expert-weights-written"),
+    pytest.param("qwen3_moe", lambda m: steer(m, _tokens(m), S.Add("router_logits.0", torch.ones(4))), SpecError,
+                 ("router_logits holds (8,) per position",), id="router-vector-of-the-wrong-width"),
+]
+
+
+@pytest.mark.parametrize("family, call, error, fragments", MOE_REQUESTS)
+def test_bad_moe_request_refused_before_forward(eager, family, call, error, fragments):
+    assert_refused(eager(family), call, error, *fragments)
+
+
+def test_a_moe_config_with_dense_layers_is_refused_at_load(tmp_path):
+    from interp_engine.tiny import build_tiny_model
+
+    path = build_tiny_model("qwen3_moe", tmp_path / "m", overrides={"mlp_only_layers": [1]})
+    with pytest.raises(LoadError, match=r"makes layers \[1\] dense.*\n  Fix: set mlp_only_layers=\[\]"):
+        load_model(str(path), backend="eager")
+
+
 ADDRESSES = [
     pytest.param(lambda: Address(3, 1), ("point must be a string, got int",), id="point-not-a-string"),
     pytest.param(lambda: Address("resid_post", "3"), ("layer of resid_post must be an int, got '3'",), id="layer-str"),

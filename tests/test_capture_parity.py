@@ -9,7 +9,8 @@ from tests.conftest import PROMPTS
 O_PROJ = {"llama": "self_attn.o_proj", "mistral": "self_attn.o_proj", "qwen2": "self_attn.o_proj",
           "qwen3": "self_attn.o_proj", "gemma2": "self_attn.o_proj", "gpt2": "attn.c_proj",
           "gpt_neox": "attention.dense", "phi": "self_attn.dense",
-          "gemma3_text": "self_attn.o_proj", "olmo2": "self_attn.o_proj", "phi3": "self_attn.o_proj"}
+          "gemma3_text": "self_attn.o_proj", "olmo2": "self_attn.o_proj", "phi3": "self_attn.o_proj",
+          "qwen3_moe": "self_attn.o_proj", "mixtral": "self_attn.o_proj"}
 POST_NORMS = {family: ("post_attention_layernorm", "post_feedforward_layernorm")
               for family in ("gemma2", "gemma3_text", "olmo2")}
 ATOL = 1e-5
@@ -68,8 +69,57 @@ def test_every_point_reproduces_the_layer_by_hand(family, eager):
                 attn = layer.get_submodule(post_attn)(attn)
             _close(attn, at("attn_out"))
             _close(at("resid_pre") + at("attn_out"), at("resid_mid"))
-            mlp = layer.get_submodule(model.arch.mlp_down)(at("mlp_act"))
+            if model.arch.moe is not None:
+                mlp = _experts_by_hand(layer, at("resid_mid"), at("router_logits"), at("expert_weights"), hf.config)
+            else:
+                mlp = layer.get_submodule(model.arch.mlp_down)(at("mlp_act"))
             if post_mlp:
                 mlp = layer.get_submodule(post_mlp)(mlp)
             _close(mlp, at("mlp_out"))
             _close(at("resid_mid") + at("mlp_out"), at("resid_post"))
+
+
+def _experts_by_hand(layer, resid_mid, router_logits, expert_weights, config):
+    """A sparse MLP redone from its weights: router_logits is the gate's output, expert_weights the renormalised
+    softmax of the top k (zero elsewhere), and the block's output the chosen experts' outputs so weighted."""
+    x = layer.post_attention_layernorm(resid_mid)
+    gate = layer.mlp.gate.weight
+    _close(x @ gate.T, router_logits)
+    weights, chosen = torch.softmax(router_logits, -1).topk(config.num_experts_per_tok, dim=-1)
+    if getattr(config, "norm_topk_prob", True):  # Mixtral always renormalises
+        weights = weights / weights.sum(-1, keepdim=True)
+    dense = torch.zeros_like(router_logits).scatter(-1, chosen, weights)
+    _close(dense, expert_weights)
+    experts, out = layer.mlp.experts, torch.zeros_like(x)
+    for e in range(gate.shape[0]):
+        g, u = (x @ experts.gate_up_proj[e].T).chunk(2, dim=-1)
+        y = (torch.nn.functional.silu(g) * u) @ experts.down_proj[e].T
+        out += y * dense[..., e:e + 1]
+    return out
+
+
+def test_moe_points_match_hf_own_router_and_mlp(eager, hf_reference):
+    """router_logits, expert_weights and mlp_out against what HF's own gate and sparse block return (forward hooks
+    on a model interp_engine never touched), and router_logits against output_router_logits."""
+    for family in ("qwen3_moe", "mixtral"):
+        model, ref = eager(family), hf_reference(family)
+        tokens = model.to_tokens(PROMPTS[0])
+        cache = capture(model, tokens, model.points())
+        seen, hooks = {}, []
+        for i, layer in enumerate(ref.model.layers):
+            hooks.append(layer.mlp.gate.register_forward_hook(lambda m, a, out, i=i: seen.__setitem__(("gate", i), out)))
+            hooks.append(layer.mlp.register_forward_hook(lambda m, a, out, i=i: seen.__setitem__(("mlp", i), out)))
+        try:
+            with torch.inference_mode():
+                out = ref(tokens, output_router_logits=True)
+        finally:
+            for h in hooks:
+                h.remove()
+        shape = (*tokens.shape, model.dims.n_experts)
+        for i in range(model.n_layers):
+            logits, weights, chosen = seen[("gate", i)]
+            _close(cache[f"router_logits.{i}"], logits.view(shape))
+            _close(cache[f"router_logits.{i}"], out.router_logits[i].view(shape))
+            dense = torch.zeros_like(logits).scatter(-1, chosen, weights.to(logits.dtype))
+            _close(cache[f"expert_weights.{i}"], dense.view(shape))
+            _close(cache[f"mlp_out.{i}"], seen[("mlp", i)])

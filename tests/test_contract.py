@@ -210,7 +210,8 @@ def test_capabilities_answer_what_validate_does(eager, which):
     value = _values(base.n_layers)[which]
     model = _handle(base, value)
     assert model.capabilities is value
-    for address in _grid(base.n_layers):
+    # Capabilities are the backend's; the points a family has are the model's (validate asks its arch).
+    for address in (a for a in _grid(base.n_layers) if not base.arch.lacks(a.point)):
         assert value.can_read(address) == _accepted(model, read=address), (which, "read", address)
         assert value.can_write(address) == _accepted(model, write=address), (which, "write", address)
 

@@ -57,14 +57,16 @@ def test_run_with_grad_equals_autograd_by_hand(family, eager):
     def loss(logits):
         return torch.log_softmax(logits[:, -1], -1)[:, target].sum()
 
-    got = run_with_grad(model, tokens, loss=loss, wrt=["resid_post.1", "attn_out.0", "mlp_act.2"])
+    # A sparse MLP has no mlp_act: the gradient reaches its router's logits through the routing weights instead.
+    mlp, width = ("router_logits.2", model.dims.n_experts) if model.arch.moe else ("mlp_act.2", model.d_mlp)
+    got = run_with_grad(model, tokens, loss=loss, wrt=["resid_post.1", "attn_out.0", mlp])
     for address, path in [("resid_post.1", f"{model.arch.layers}.1"),
                           ("attn_out.0", f"{model.arch.layers}.0.{model.arch.attn_out}")]:
         value, grad = _hand_grad(model, tokens, path, loss)
         assert torch.allclose(got.value, value, atol=1e-5)
         assert (got.grads[address] - grad).abs().max() < 1e-5, address
-    assert got.grads["mlp_act.2"].shape == (1, tokens.shape[1], model.d_mlp)
-    assert got.grads["mlp_act.2"].abs().sum() > 0
+    assert got.grads[mlp].shape == (1, tokens.shape[1], width)
+    assert got.grads[mlp].abs().sum() > 0
 
 
 def test_run_with_grad_through_a_spec_and_on_heads(eager):

@@ -93,7 +93,7 @@ def test_handle_properties_and_new_attributes_cannot_be_set(eager, name):
 # ------------------------------------------------------------------------------------------------ dims
 
 # Where each family's HF config keeps the MLP width (GPT-2 calls it n_inner).
-D_MLP_KEY = {"gpt2": "n_inner"}
+D_MLP_KEY = {"gpt2": "n_inner", "qwen3_moe": "moe_intermediate_size"}  # MoE: one expert's width
 
 
 def test_dims_equal_the_hf_config(family, tiny_path):
@@ -108,6 +108,7 @@ def test_dims_equal_the_hf_config(family, tiny_path):
     assert model.d_head == (getattr(config, "head_dim", None) or config.hidden_size // n_heads)
     assert model.d_mlp == getattr(config, D_MLP_KEY.get(family, "intermediate_size"))
     assert model.d_vocab == config.vocab_size
+    assert model.dims.n_experts == (getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0))
 
 
 @pytest.mark.parametrize("family, overrides, expected", [
@@ -140,7 +141,7 @@ def test_points_lists_every_address(eager, family, attn):
     model = eager(family, attn=attn)
     patterns = {"attn_scores", "attn_probs"}
     expected = {Address(name) for name, info in POINTS.items() if not info.layered}
-    expected |= {Address(name, layer) for name, info in POINTS.items() if info.layered
+    expected |= {Address(name, layer) for name, info in POINTS.items() if info.layered and not model.arch.lacks(name)
                  for layer in range(model.n_layers) if attn == "eager" or name not in patterns}
     points = model.points()
     assert len(points) == len(set(points))

@@ -26,7 +26,7 @@ def _hf_logits(model, tokens, module_path, edit, *, pre=False):
 
 
 def _writable(model):
-    return [a for a in model.points() if a.point not in ("attn_scores", "attn_probs", "logits")]
+    return [a for a in model.points() if a.point not in ("attn_scores", "attn_probs", "logits") and not a.info.read_only]
 
 
 def test_zero_vector_equals_baseline_exactly_at_every_point(family, eager):
@@ -45,7 +45,7 @@ def test_patch_of_own_cache_is_identity(family, eager):
     base = steer(model, tokens, S.Spec())
     points = model.points()
     cache = capture(model, tokens, points)
-    spec = S.Spec(tuple(S.Patch(a, cache) for a in points if a.point != "logits"))
+    spec = S.Spec(tuple(S.Patch(a, cache) for a in points if a.point != "logits" and not a.info.read_only))
     assert torch.equal(steer(model, tokens, spec), base)
 
 
@@ -148,7 +148,8 @@ def test_attention_pattern_writes(eager):
 
 def test_every_point_is_in_the_table():
     assert set(POINTS) == {"embed", "resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "q", "k", "v",
-                           "z", "attn_scores", "attn_probs", "mlp_act", "final", "logits"}
+                           "z", "attn_scores", "attn_probs", "mlp_act", "final", "logits", "router_logits",
+                           "expert_weights"}
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])

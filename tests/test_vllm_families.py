@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from interp_engine import BackendError, capture, load_model
+from interp_engine.errors import PointError
 from interp_engine import spec as S
 from interp_engine.backends.vllm.runtime import _LIVE
 from tests.conftest import PROMPTS, no_child_survives
@@ -25,14 +26,25 @@ SLOW = requires("slow")
 SERVED = [pytest.param(("gemma3_text", "vllm"), id="gemma3_text-vllm"),
           pytest.param(("gemma3_text", "vllm-static"), id="gemma3_text-vllm-static", marks=SLOW),
           pytest.param(("phi3", "vllm"), id="phi3-vllm"),
-          pytest.param(("phi3", "vllm-static"), id="phi3-vllm-static", marks=SLOW)]
+          pytest.param(("phi3", "vllm-static"), id="phi3-vllm-static", marks=SLOW),
+          pytest.param(("qwen3_moe", "vllm"), id="qwen3_moe-vllm"),
+          pytest.param(("qwen3_moe", "vllm-static"), id="qwen3_moe-vllm-static", marks=SLOW),
+          pytest.param(("mixtral", "vllm"), id="mixtral-vllm"),
+          pytest.param(("mixtral", "vllm-static"), id="mixtral-vllm-static", marks=SLOW)]
+MOE = ("qwen3_moe", "mixtral")
 
 
-def _spec(d: int) -> S.Spec:
+def _writes(family: str) -> list[str]:
+    # A sparse MLP has no mlp_act; its router is written instead (steering which experts are chosen).
+    return [("router_logits.0" if family in MOE and w == "mlp_act.0" else w) for w in WRITES]
+
+
+def _spec(d: int, family: str) -> S.Spec:
     ones, ramp = torch.ones(d), torch.linspace(-1, 1, d)
+    mlp = S.Scale("router_logits.0", -1.0) if family in MOE else S.Ablate("mlp_act.0")
     return (S.Add("embed", ones, positions=[1, -1]) + S.Add("resid_pre.1", ramp) + S.Scale("q.1", 2.0, heads=[0])
             + S.Scale("k.1", 0.5) + S.Scale("v.0", 0.5, heads=[0]) + S.Ablate("z.0", heads=[1, 2])
-            + S.Add("attn_out.1", ones) + S.Set("resid_mid.2", ramp, positions="last") + S.Ablate("mlp_act.0")
+            + S.Add("attn_out.1", ones) + S.Set("resid_mid.2", ramp, positions="last") + mlp
             + S.Ablate("mlp_out.2") + S.Add("resid_post.0", ramp, scale=3.0) + S.Scale("final", 1.5, positions=[0]))
 
 
@@ -52,7 +64,7 @@ def served(request, tiny_path, eager):
     family, backend = request.param
     for live in list(_LIVE.values()):  # one engine per process
         live.unload()
-    extra = dict(static_points=list(eager(family).points()), static_writes=WRITES) if backend == "vllm-static" else {}
+    extra = dict(static_points=list(eager(family).points()), static_writes=_writes(family)) if backend == "vllm-static" else {}
     with no_child_survives():
         model = load_model(str(tiny_path(family)), backend=backend, **extra)
         asyncio.run(model.warmup())
@@ -65,7 +77,7 @@ def test_every_point_plain_and_under_a_write_at_every_point_equals_eager(served,
     reference, static = eager(family), backend == "vllm-static"
     points = model.points()
     assert {"attn_scores", "attn_probs"} <= {a.point for a in points}
-    spec = _spec(model.d_model)
+    spec = _spec(model.d_model, family)
     worst = 0.0
     for edits in (S.Spec(), spec):
         ours, theirs = capture(model, PROMPTS, points, edits), capture(reference, PROMPTS, points, edits)
@@ -81,3 +93,39 @@ def test_olmo2_is_refused_on_vllm_naming_why(tiny_path):
     with pytest.raises(BackendError) as refused:
         load_model(str(tiny_path("olmo2")), backend="vllm")
     assert "Transformers fallback" in str(refused.value) and "eager" in str(refused.value)
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_moe_families_have_router_logits_and_no_mlp_act(family, eager):
+    points = {a.point for a in eager(family).points()}
+    assert "router_logits" in points and "mlp_act" not in points
+
+
+def test_router_steering_chooses_the_same_experts_as_on_eager(served, eager, hf_reference):
+    """On a dense family the router points are refused. Negating layer 0's router logits makes each token choose its least likely experts: on vLLM exactly as on
+    eager, and as HF's own model does with that gate's weight negated (the independent reference)."""
+    family, backend, model = served
+    if family not in MOE:  # a dense model: refused before any request, naming the families that have a router
+        with pytest.raises(PointError, match=r"(?s)router_logits.0 does not exist.*mixtral, qwen3_moe"):
+            capture(model, PROMPTS, ["router_logits.0"])
+        return
+    flip = S.Scale("router_logits.0", -1.0)
+    read = ["router_logits.0", "mlp_out.0", "logits"]
+    plain, ours, theirs = (capture(model, PROMPTS, read), capture(model, PROMPTS, read, flip),
+                           capture(eager(family), PROMPTS, read, flip))
+    reference = hf_reference(family)
+    k = reference.config.num_experts_per_tok
+    chosen = lambda c: c["router_logits.0"].topk(k, dim=-1).indices.sort(-1).values  # noqa: E731
+    assert torch.equal(chosen(ours), chosen(theirs)) and not torch.equal(chosen(ours), chosen(plain))
+    for address in read:
+        _close(ours[address], theirs[address], f"{address} steered", backend == "vllm-static")
+    gate = reference.get_submodule("model.layers.0.mlp.gate")
+    tokens = model.to_tokens(PROMPTS[0])
+    n = tokens.shape[1]
+    with torch.inference_mode():
+        gate.weight.neg_()
+        try:
+            hf = reference(tokens).logits
+        finally:
+            gate.weight.neg_()
+    _close(ours["logits"][:1, :n], hf, "logits against HF with the gate negated", backend == "vllm-static")

@@ -26,6 +26,44 @@ class VllmLayout:
     # What a layer's output holds: "sum", the stream as (hidden, residual) that the next fused add-norm adds;
     # "first", the stream itself, alone or first of a tuple whose rest the next layer never reads.
     stream_out: str = "sum"
+    router: str | None = None  # the MoE gate, whose output's first element is router_logits
+
+
+@dataclass(frozen=True, slots=True)
+class Moe:
+    """A sparse (mixture-of-experts) MLP in every layer: where its router sits and how it chooses.
+
+    The router's first output is the router logits; the experts take the softmax's top k, renormalised to sum
+    to 1 where `renormalize` says (a config key, or True for always)."""
+
+    router: str  # relative to a layer: the gate module
+    n_experts_key: str
+    renormalize: str | bool
+    top_k_key: str = "num_experts_per_tok"
+
+    def routing(self, config) -> tuple[int, bool]:
+        """(top k, renormalised) as this config sets them."""
+        renormalize = self.renormalize if isinstance(self.renormalize, bool) else getattr(config, self.renormalize)
+        return getattr(config, self.top_k_key), bool(renormalize)
+
+
+def route(logits, top_k: int, renormalize: bool):
+    """(weights, indices) of the chosen experts from router logits, as HF's routers and vLLM's top-k compute them:
+    softmax in float32, top k, renormalised to sum to 1 where the family does. One semantics for every backend."""
+    import torch
+
+    weights, indices = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), indices
+
+
+def dense_weights(weights, indices, n_experts: int):
+    """expert_weights: every expert's weight in the token's mlp_out, zero where it was not chosen."""
+    import torch
+
+    return torch.zeros((*weights.shape[:-1], n_experts), dtype=weights.dtype,
+                       device=weights.device).scatter(-1, indices, weights)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +77,7 @@ class Arch:
     attention: str | None = None  # the attention module, whose kwargs reach the attention function
     attn_out: str | None = None  # module whose output is what attention adds to the residual stream
     mlp_out: str | None = None  # module whose output is what the MLP adds to the residual stream
-    mlp_down: str | None = None  # module whose input is mlp_act
+    mlp_down: str | None = None  # module whose input is mlp_act (None: a sparse MLP, see `moe`)
     parallel: bool = False  # attention and MLP both read resid_pre (GPT-NeoX, Phi)
     mid_norm: str | None = None  # sequential blocks: the norm whose input is resid_mid (the MLP's input norm)
     d_mlp_keys: tuple[str, ...] = ("intermediate_size",)
@@ -48,6 +86,7 @@ class Arch:
     normalization: str = "rmsnorm"  # every norm's kind: "rmsnorm", "layernorm", or "gemma_rmsnorm" (scale 1 + w)
     positional: str = "rotary"  # "rotary" or "learned" (a position table added to the embedding)
     points: tuple[str, ...] | None = None  # the points served; None: every point (a table's family)
+    moe: Moe | None = None  # a mixture-of-experts family: router_logits instead of mlp_act
 
     @property
     def discovered(self) -> bool:
@@ -57,6 +96,22 @@ class Arch:
 
     def serves(self, point: str) -> bool:
         return self.points is None or point in self.points
+
+    def lacks(self, point: str) -> str | None:
+        """Why this family has no `point` (a fix naming where to look instead), or None when it has it."""
+        if point in MOE_POINTS and self.moe is None:
+            return fix(f"{point} exists only in mixture-of-experts models; this is a dense {self.family} model.",
+                       f"use a model of a family with experts ({', '.join(moe_families())}); on a dense model "
+                       "mlp_act and mlp_out are the MLP's points.")
+        if point == "mlp_act" and self.moe is not None:
+            return fix(f"mlp_act has no single meaning in a {self.family} model: each token's MLP is a weighted sum "
+                       "of its chosen experts, each with its own hidden layer.",
+                       "read router_logits or expert_weights (the router's choice) or mlp_out (what the experts add to the residual "
+                       "stream together).")
+        return None
+
+
+MOE_POINTS = ("router_logits", "expert_weights")
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +124,7 @@ class Dims:
     d_mlp: int
     d_vocab: int
     max_len: int
+    n_experts: int = 0  # routed experts per layer; 0: a dense model
 
 
 # The sizes read_dims takes from config.json, each a whole number of at least 1 when present (the first four
@@ -102,6 +158,8 @@ def read_dims(config, arch: Arch) -> Dims:
     n_heads = config.num_attention_heads
     d_model = config.hidden_size
     d_mlp = next((getattr(config, k) for k in arch.d_mlp_keys if getattr(config, k, None)), 4 * d_model)
+    if arch.moe is not None:
+        _check_every_layer_sparse(config, arch)
     return Dims(
         n_layers=config.num_hidden_layers,
         d_model=d_model,
@@ -111,6 +169,7 @@ def read_dims(config, arch: Arch) -> Dims:
         d_mlp=d_mlp,
         d_vocab=config.vocab_size,
         max_len=getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 2**31,
+        n_experts=getattr(config, arch.moe.n_experts_key) if arch.moe is not None else 0,
     )
 
 
@@ -141,11 +200,33 @@ def read_cfg(config, arch: Arch, dims: Dims) -> ModelConfig:
                        family=arch.family, normalization=arch.normalization, positional=arch.positional, act_fn=act)
 
 
+def _check_every_layer_sparse(config, arch: Arch) -> None:
+    """Qwen3-MoE can make some layers dense (`mlp_only_layers`, `decoder_sparse_step`); no published checkpoint
+    does, and a point set that changes per layer is not served: refused at load."""
+    for key in (arch.moe.n_experts_key, arch.moe.top_k_key):
+        value = getattr(config, key, None)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise LoadError(fix(f"config.json has {key}={value!r}; a {arch.family} model needs at least 1.",
+                                f"correct {key} in config.json, or use the checkpoint as published."))
+    dense = list(getattr(config, "mlp_only_layers", None) or [])
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    dense += [i for i in range(config.num_hidden_layers) if (i + 1) % step and i not in dense]
+    if dense:
+        raise LoadError(fix(f"this {arch.family} config makes layers {sorted(dense)} dense (mlp_only_layers / "
+                            "decoder_sparse_step); interp_engine serves mixture-of-experts models whose every "
+                            "layer has experts.",
+                            "set mlp_only_layers=[] and decoder_sparse_step=1, as the published checkpoints do."))
+
+
+def moe_families() -> tuple[str, ...]:
+    return tuple(sorted({arch.family for arch in _registry().values() if arch.moe is not None}))
+
+
 def _registry() -> dict[str, Arch]:
-    from interp_engine.arch import gemma2, gemma3, gpt2, gpt_neox, llama, olmo2, phi, phi3
+    from interp_engine.arch import gemma2, gemma3, gpt2, gpt_neox, llama, mixtral, olmo2, phi, phi3, qwen3_moe
 
     table: dict[str, Arch] = {}
-    for module in (llama, gemma2, gemma3, gpt2, gpt_neox, phi, phi3, olmo2):
+    for module in (llama, gemma2, gemma3, gpt2, gpt_neox, phi, phi3, olmo2, qwen3_moe, mixtral):
         for arch in module.ARCHES:
             for model_type in arch.model_types:
                 table[model_type] = arch

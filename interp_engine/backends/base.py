@@ -60,7 +60,7 @@ class Capabilities:
     def can_write(self, address: Address) -> bool:
         """Whether a resolved address is writable on this handle (what `validate.plan` accepts for an Add)."""
         return (self.points and (self.patterns or not address.info.needs_eager_attention)
-                and (self.eager_only_writes or not address.info.eager_only_write)
+                and (self.eager_only_writes or not address.info.eager_only_write) and not address.info.read_only
                 and (self.served is None or address.point in self.served)
                 and (self.taps is None or address in self.taps.writes))
 

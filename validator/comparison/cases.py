@@ -34,6 +34,12 @@ class SteerCase:
         return self.address.point in EAGER_ONLY_WRITES or self.op == "Ablate(mean)"
 
 
+def has_point(name: str, dims: Dims) -> bool:
+    """A mixture-of-experts model has router_logits and expert_weights and no mlp_act; a dense one the other way
+    round."""
+    return name not in ("router_logits", "expert_weights", "mlp_act") or (name != "mlp_act") == bool(dims.n_experts)
+
+
 def steer_layer(dims: Dims) -> int:
     return dims.n_layers // 2
 
@@ -52,6 +58,8 @@ def steer_cases(dims: Dims) -> list[SteerCase]:
     layer = steer_layer(dims)
     cases = []
     for name, info in POINTS.items():
+        if not has_point(name, dims) or info.read_only:
+            continue
         address = Address(name, layer) if info.layered else Address(name)
         if info.eager_only_write:
             cases.append(SteerCase(f"Ablate/{address}", "Ablate", address, S.Spec((S.Ablate(str(address)),))))

@@ -20,9 +20,10 @@ from validator.comparison import cases as C
 NOT_BUILT, NOT_INSTALLED = "not in this build", "which is not installed"
 
 
-def every_address(n_layers: int) -> list[Address]:
+def every_address(dims) -> list[Address]:
     return [Address(name, i) if info.layered else Address(name)
-            for name, info in POINTS.items() for i in (range(n_layers) if info.layered else [None])]
+            for name, info in POINTS.items() if C.has_point(name, dims)
+            for i in (range(dims.n_layers) if info.layered else [None])]
 
 
 def load(path: str, backend: str, num_gpus: int, static_points: str):
@@ -36,7 +37,7 @@ def load(path: str, backend: str, num_gpus: int, static_points: str):
 
         _, config = read_config(path)
         dims = read_dims(config, arch_for(config))
-        kwargs["static_points"] = "auto" if static_points == "auto" else [str(a) for a in every_address(dims.n_layers)]
+        kwargs["static_points"] = "auto" if static_points == "auto" else [str(a) for a in every_address(dims)]
         # every edit the workload makes (steering cases and generation's Add) must be declared up front
         kwargs["static_writes"] = sorted({str(c.address) for c in C.steer_cases(dims) if not c.eager_only})
     return load_model(path, backend=backend, num_gpus=num_gpus, **kwargs)
@@ -55,7 +56,7 @@ def attempt(results: dict, key: str, call) -> object | None:
 
 def run(model, *, quick: bool, plant: C.Plant | None, backend: str, num_gpus: int) -> dict:
     dims, results = model.dims, {}
-    addresses = every_address(dims.n_layers)
+    addresses = every_address(dims)
     cache = attempt(results, "capture/*", lambda: capture(model, list(C.PROMPTS), addresses, progress=False))
     if cache is not None:
         for a in addresses:

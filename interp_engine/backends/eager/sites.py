@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from interp_engine.addresses import Address
-from interp_engine.arch import Arch
+from interp_engine.arch import Arch, dense_weights, route
 from interp_engine.backends.eager.attention import SITE_KW, eager_pattern
 from interp_engine.edits import Step, apply, failure
 from interp_engine.errors import InterpEngineError
@@ -123,9 +123,19 @@ class Block:
     # None where the arch does not serve those points (validation refuses them first).
     attention: torch.nn.Module | None
     attn_out: torch.nn.Module | None
-    mlp_down: torch.nn.Module | None
+    mlp_down: torch.nn.Module | None  # None also: a sparse MLP (no mlp_act)
     mlp_out: torch.nn.Module | None
     mid_norm: torch.nn.Module | None  # None also: a parallel block, whose resid_mid is realised through attn_out
+    router: "Router | None" = None
+
+
+@dataclass(frozen=True, slots=True)
+class Router:
+    """A sparse MLP's gate, and how the experts choose from its logits (to choose again after an edit)."""
+
+    gate: torch.nn.Module
+    top_k: int
+    renormalize: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,8 +153,10 @@ class Layout:
         def at(layer, path):
             return layer.get_submodule(path) if path is not None else None
 
+        moe, config = arch.moe, model.config
+        router = lambda layer: moe and Router(layer.get_submodule(moe.router), *moe.routing(config))  # noqa: E731
         blocks = tuple(Block(layer, *(at(layer, p) for p in (arch.attention, arch.attn_out, arch.mlp_down,
-                                                               arch.mlp_out, arch.mid_norm)))
+                                                               arch.mlp_out, arch.mid_norm)), router(layer) or None)
                        for layer in (layers[i] for i in range(n_layers)))
         return cls(blocks, model.get_submodule(arch.final_norm))
 
@@ -216,6 +228,9 @@ def _layer_hooks(block: Block, i: int, run: Run) -> list:
     if needs_mid and not mid_via_attn:
         handles += _mid_hooks(block, i, run)
 
+    if run.wants(_at("router_logits", i)) or run.wants(_at("expert_weights", i)):
+        handles += _router_hooks(block, i, run)
+
     if run.wants(resid_post):
         handles.append(layer.register_forward_hook(
             lambda m, a, out: _with_first(out, run.touch(resid_post, _first(out)))))
@@ -251,3 +266,26 @@ def _mid_hooks(block: Block, i: int, run: Run) -> list:
     return [block.mid_norm.register_forward_pre_hook(mid_in),
             block.mlp_out.register_forward_hook(mlp_out),
             block.layer.register_forward_hook(block_out)]
+
+
+def _router_hooks(block: Block, i: int, run: Run) -> list:
+    """router_logits and expert_weights, at the gate's output: HF's routers return (logits, weights, indices)
+    computed from the logits inside one forward, so an edit chooses again from the edited logits, as the router
+    would have."""
+    at, weights_at, router = _at("router_logits", i), _at("expert_weights", i), block.router
+    shape: list = []
+
+    def mlp_in(module, args):  # the gate sees the rows flat; the point is [batch, pos, n_experts]
+        shape[:] = args[0].shape[:-1]
+
+    def gate_out(module, args, out):
+        logits = out[0]
+        x = logits.view(*shape, logits.shape[-1])
+        edited = run.touch(at, x)
+        flat = edited.reshape(logits.shape)
+        chosen = tuple(out[1:]) if edited is x else route(flat, router.top_k, router.renormalize)
+        if run.wants(weights_at):
+            run.touch(weights_at, dense_weights(*chosen, logits.shape[-1]).to(x.dtype).view(x.shape))
+        return None if edited is x else (flat, *chosen)
+
+    return [block.mlp_out.register_forward_pre_hook(mlp_in), router.gate.register_forward_hook(gate_out)]

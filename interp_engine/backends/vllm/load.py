@@ -11,7 +11,7 @@ from interp_engine import quantization as Q
 from interp_engine import vllm_args
 from interp_engine.arch import arch_for, read_cfg, read_dims
 from interp_engine.backends.vllm.capabilities import for_handle
-from interp_engine.errors import BackendError, SpecError, fix
+from interp_engine.errors import BackendError, PointError, SpecError, fix
 from interp_engine.handle import ModelHandle
 from interp_engine.load_guards import load_tokenizer
 from interp_engine.selection import BackendSelection, Hardware, vllm_installed, vllm_support
@@ -66,6 +66,9 @@ def load(repo_id: str, source: str, config, selection: BackendSelection, hardwar
     dims = read_dims(config, arch)
     cfg = read_cfg(config, arch, dims)
     taps = Taps.of(static_points, static_writes, dims.n_layers) if capabilities.declares_taps else None
+    lacking = sorted({a.point for a in (*taps.reads, *taps.writes) if arch.lacks(a.point)} if taps else set())
+    if lacking:
+        raise PointError("; ".join(f"{p} cannot be declared for {str(repo_id)!r}: {arch.lacks(p)}" for p in lacking))
     if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, int)
                                       or not 0 < max_model_len <= dims.max_len):
         raise SpecError(fix(f"max_model_len={max_model_len!r} is outside this model's 1..{dims.max_len} positions "

@@ -19,9 +19,11 @@ SHARDING = {"q": HEADS, "z": HEADS, "k": KV_HEADS, "v": KV_HEADS, "mlp_act": NEU
 
 
 class Shards:
-    def __init__(self, config, attention=None, mlp_local: int | None = None):
+    def __init__(self, config, attention=None, mlp_local: int | None = None, n_experts: int = 0):
         """`attention`: one layer's Attention module (local head counts); `mlp_local`: mlp_act features on this
-        rank. Either may be omitted where the caller never shards that kind of point."""
+        rank. Either may be omitted where the caller never shards that kind of point. `n_experts`: the width of
+        router_logits (replicated: every rank's gate computes every expert's logit)."""
+        self.widths = {"router_logits": n_experts}
         self.size, self.rank = compat.tp_size(), compat.tp_rank()
         self.kv_total = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         heads, kv_heads, self.d_head = compat.attention_heads(attention) if attention is not None else (0, 0, 0)
@@ -34,7 +36,7 @@ class Shards:
         kind = SHARDING.get(point)
         if kind in (HEADS, KV_HEADS):
             return self.local[kind] * self.d_head
-        return self.local[kind] if kind == NEURONS else d_model
+        return self.local[kind] if kind == NEURONS else self.widths.get(point, d_model)
 
     def shape(self, point: str, d_model: int) -> tuple[int, ...]:
         """One row of `point`, gathered."""
@@ -43,7 +45,7 @@ class Shards:
             return (self.local[HEADS] * self.size, self.d_head)
         if kind == KV_HEADS:
             return (self.kv_total, self.d_head)
-        return (self.local[NEURONS] * self.size,) if kind == NEURONS else (d_model,)
+        return (self.local[NEURONS] * self.size,) if kind == NEURONS else (self.widths.get(point, d_model),)
 
     # ------------------------------------------------------------------------------------------- collectives
     def gather(self, x: Tensor, dim: int) -> Tensor:

@@ -125,6 +125,8 @@ SITES = (
     Site("attn_out", "post", OUTPUT, ("attn_out",)),
     Site("mid_norm", "pre", FUSED_IN, ("resid_mid",)),
     Site("mlp_down", "pre", INPUT, ("mlp_act",)),
+    # The MoE gate's output, (logits, bias): the experts choose from the logits it returns.
+    Site("router", "post", FIRST_OUTPUT, ("router_logits",)),
     Site("mlp_out", "post", OUTPUT, ("mlp_out",)),
     Site("", "post", STREAM_OUT, ("resid_post",)),
     Site("final_norm", "post", FIRST_OUTPUT, ("final",), scope="model"),

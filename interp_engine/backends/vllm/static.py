@@ -27,7 +27,7 @@ from interp_engine.addresses import Address
 from interp_engine.backends.vllm import compat, wire
 from interp_engine.backends.vllm.patterns import record_patterns
 from interp_engine.backends.vllm.sites import FINAL, LAYER_SITES, LOGITS, MODEL_SITES, Site, module_of, register
-from interp_engine.backends.vllm.worker import InterpExtension, StepState, WorkerCall, layout_of
+from interp_engine.backends.vllm.worker import InterpExtension, StepState, WorkerCall, expert_weights, layout_of
 from interp_engine.edits import affine, failure
 from interp_engine.taps import PATTERNS, Taps
 
@@ -145,7 +145,9 @@ class StaticTaps:
         qk: dict[Address, Tensor] = {}
         for address, buf in self.reads.items():
             needs_qk = address.point in ("q", "k") and address.layer in pattern_layers
-            if address not in wanted and not needs_qk and not (address == FINAL and LOGITS in wanted):
+            weights = Address("expert_weights", address.layer) if address.point == "router_logits" else None
+            if (address not in wanted and not needs_qk and not (address == FINAL and LOGITS in wanted)
+                    and weights not in wanted):
                 continue
             x = self.shards.present(address.point, buf[:n])
             for active in state.active:
@@ -158,6 +160,11 @@ class StaticTaps:
                 for active in state.active:
                     if LOGITS in active.call.reads:
                         state.keep(active, LOGITS, logits.index_select(0, active.rows), copied=True)
+            if weights in wanted:  # recomputed from the tapped router logits, as vLLM's top-k computed them
+                dense = expert_weights(x, state.routing)
+                for active in state.active:
+                    if weights in active.call.reads:
+                        state.keep(active, weights, dense.index_select(0, active.rows), copied=True)
             if needs_qk:
                 qk[address] = x
         for layer in pattern_layers:

@@ -220,12 +220,30 @@ def layout_of(runner):
     return model._ie_layout
 
 
+def routing_of(runner) -> tuple[int, bool] | None:
+    """(top k, renormalised) of a mixture-of-experts model; None for a dense one."""
+    from interp_engine.arch import table_for
+
+    config = compat.hf_config(runner)
+    arch = table_for(config)  # a discovered model has no experts (and no table: never discovered again here)
+    return arch.moe.routing(config) if arch is not None and arch.moe is not None else None
+
+
+def expert_weights(logits, routing: tuple[int, bool]):
+    from interp_engine.arch import dense_weights, route
+
+    return dense_weights(*route(logits, *routing), logits.shape[-1])
+
+
 def shards_of(runner, layout) -> Shards:
+    from interp_engine.arch import read_dims, table_for
+
+    config = compat.hf_config(runner)
     layer = compat.model(runner).get_submodule(layout.layers)[0]
     if layout.attention is None:  # a discovered layout: residual-stream points only, none sharded
-        return Shards(compat.hf_config(runner))
-    return Shards(compat.hf_config(runner), layer.get_submodule(layout.attention),
-                  compat.input_width(layer.get_submodule(layout.mlp_down)))
+        return Shards(config)
+    down = compat.input_width(layer.get_submodule(layout.mlp_down)) if layout.mlp_down is not None else 0
+    return Shards(config, layer.get_submodule(layout.attention), down, read_dims(config, table_for(config)).n_experts)
 
 
 class StepState:
@@ -235,6 +253,7 @@ class StepState:
         self.runner, self.calls = runner, calls
         layout = layout_of(runner)
         self.shards = shards_of(runner, layout)
+        self.routing = routing_of(runner)
         model = compat.model(runner)
         norm = model.get_submodule(layout.final_norm)
         # Every rank runs this (compute_logits gathers the vocab-parallel shards, a collective).
@@ -345,7 +364,9 @@ def _hook(site: Site, root, layer: int | None, layout, state: StepState, needed:
     patterns = site.points == ("q", "k", "v") and (Address("attn_scores", layer) in needed
                                                    or Address("attn_probs", layer) in needed)
     logits = site.points == ("final",) and LOGITS in needed
-    if not any(chains) and not patterns and not logits:
+    weights = Address("expert_weights", layer) if site.points == ("router_logits",) else None
+    routing = weights in needed and state.routing
+    if not any(chains) and not patterns and not logits and not routing:
         return []
     module = module_of(site, layout, root)
     shards = state.shards
@@ -353,7 +374,7 @@ def _hook(site: Site, root, layer: int | None, layout, state: StepState, needed:
     def transform(xs):
         out, full = [], {}
         for point, chain, x in zip(site.points, chains, xs):
-            if not chain and not (patterns and point in ("q", "k")) and not logits:
+            if not chain and not (patterns and point in ("q", "k")) and not logits and not routing:
                 out.append(x)
                 continue
             gathered = shards.present(point, x)
@@ -362,6 +383,8 @@ def _hook(site: Site, root, layer: int | None, layout, state: StepState, needed:
                 edited = state.touch(address, edited)
             if logits:  # all ranks compute (the vocab-parallel gather is a collective); rank 0's copy is kept
                 state.touch(LOGITS, model.compute_logits(edited))
+            if routing:  # the weights vLLM's top-k takes from these (edited) logits, recomputed
+                state.touch(weights, expert_weights(edited, state.routing))
             full[point] = edited
             out.append(x if edited is gathered else shards.split(point, edited).reshape(x.shape).to(x.dtype))
         if patterns:  # recomputed from the q and k the kernel will see, after any edits to them
