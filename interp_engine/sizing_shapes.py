@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from interp_engine.arch import Dims, _registry, check_sizes, read_dims
+from interp_engine.arch import Arch, Dims, _registry, check_sizes, read_dims
 from interp_engine.errors import InputTypeError, LoadError, fix
 from interp_engine.sizing_tables import ALIASES, LAYOUTS, SCHEMES, WRAPPERS, Scheme
 
@@ -95,7 +95,9 @@ def to_config(config: Any):
 
 def read_sizes(config) -> Dims:
     """The dims the sizer prices, whether or not the family has an arch table (`d_mlp_keys` from its layout)."""
-    arch = _registry().get(config.model_type) or LAYOUTS[config.model_type]
+    arch = _registry().get(config.model_type) or Arch(family=config.model_type, model_types=(config.model_type,),
+                                                       layers="", final_norm="", unembed="",
+                                                       d_mlp_keys=LAYOUTS[config.model_type].d_mlp_keys)
     return read_dims(config, arch)
 
 
