@@ -106,8 +106,8 @@ class Arch:
         if point == "mlp_act" and self.moe is not None:
             return fix(f"mlp_act has no single meaning in a {self.family} model: each token's MLP is a weighted sum "
                        "of its chosen experts, each with its own hidden layer.",
-                       "read router_logits or expert_weights (the router's choice) or mlp_out (what the experts add to the residual "
-                       "stream together).")
+                       "read router_logits or expert_weights (the router's choice) or mlp_out (what the experts add "
+                       "to the residual stream together).")
         return None
 
 
