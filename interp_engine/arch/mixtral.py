@@ -3,31 +3,14 @@
 always renormalised. `mlp_out` is the block's output (the weighted sum of the chosen experts); `router_logits`
 the gate's output, before the softmax. There is no `mlp_act`."""
 
-from interp_engine.arch import Arch, Moe, VllmLayout
+import dataclasses
 
-ARCHES = (
-    Arch(
-        family="mixtral",
-        model_types=("mixtral",),
-        layers="model.layers",
-        final_norm="model.norm",
-        unembed="lm_head",
-        attention="self_attn",
-        attn_out="self_attn",
-        mlp_out="mlp",
-        mlp_down=None,
-        mid_norm="post_attention_layernorm",
-        moe=Moe(router="mlp.gate", n_experts_key="num_local_experts", renormalize=True),
-        vllm=VllmLayout(
-            layers="model.layers",
-            final_norm="model.norm",
-            attention="self_attn.attn",
-            o_proj="self_attn.o_proj",
-            attn_out="self_attn",
-            mlp_out="block_sparse_moe",
-            mlp_down=None,
-            mid_norm="post_attention_layernorm",
-            router="block_sparse_moe.gate",
-        ),
-    ),
-)
+from interp_engine.arch import Moe, llama
+
+# Llama's module paths (Mistral's) with the sparse MLP's router; vLLM names the block `block_sparse_moe`.
+_LLAMA = llama.ARCHES[0]
+ARCHES = (dataclasses.replace(
+    _LLAMA, family="mixtral", model_types=("mixtral",), mlp_down=None,
+    moe=Moe(router="mlp.gate", n_experts_key="num_local_experts", renormalize=True),
+    vllm=dataclasses.replace(_LLAMA.vllm, mlp_out="block_sparse_moe", mlp_down=None,
+                             router="block_sparse_moe.gate")),)
