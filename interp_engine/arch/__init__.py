@@ -4,8 +4,10 @@ One file per family holds an `Arch`; the registry maps `config.model_type` to it
 the causal-LM model (`layers`, `final_norm`, `unembed`) or to one decoder layer (the rest).
 """
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from interp_engine.errors import LoadError, fix
 
@@ -222,7 +224,8 @@ def moe_families() -> tuple[str, ...]:
     return tuple(sorted({arch.family for arch in _registry().values() if arch.moe is not None}))
 
 
-def _registry() -> dict[str, Arch]:
+@functools.cache  # the vLLM worker asks it at every hook install (the family's routing): built once
+def _registry() -> Mapping[str, Arch]:
     from interp_engine.arch import gemma2, gemma3, gpt2, gpt_neox, llama, mixtral, olmo2, phi, phi3, qwen3_moe
 
     table: dict[str, Arch] = {}
@@ -230,7 +233,7 @@ def _registry() -> dict[str, Arch]:
         for arch in module.ARCHES:
             for model_type in arch.model_types:
                 table[model_type] = arch
-    return table
+    return MappingProxyType(table)
 
 
 def supported_model_types() -> tuple[str, ...]:
