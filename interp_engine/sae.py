@@ -270,10 +270,23 @@ def _point(name: str | None, given, what: str, path: Path) -> Address | None:
                             f"pass {'reads' if what == 'hook_name' else 'writes'}= to load_sae.")) from None
 
 
+def _read(file: Path, read):
+    """`read(file)`, or the library's error: a truncated, corrupt or absurdly nested file is the caller's to fix."""
+    try:
+        return read(file)
+    except Exception as e:  # noqa: BLE001 - each reader (json, safetensors, numpy) raises its own kinds
+        raise SpecError(fix(f"{file} could not be read as an SAE file: {type(e).__name__}: {str(e)[:200]}",
+                            "pass the files as SAELens or Gemma Scope saved them (a copy cut short or edited by "
+                            "hand is refused).")) from None
+
+
 def _from_saelens(p: Path, reads, writes, dtype) -> SAE:
     from safetensors.torch import load_file  # a flat tensor format: no code in it
 
-    cfg = json.loads((p / "cfg.json").read_text())
+    cfg = _read(p / "cfg.json", lambda f: json.loads(f.read_text()))
+    if not isinstance(cfg, dict):
+        raise SpecError(fix(f"{p}/cfg.json holds a {type(cfg).__name__}, not SAELens's settings object.",
+                            "pass the folder SAELens's save_model wrote."))
     meta = cfg.get("metadata") or cfg.get("meta") or {}
     hook = cfg.get("hook_name") or meta.get("hook_name")
     address = _point(hook, reads, "hook_name", p)
@@ -284,7 +297,7 @@ def _from_saelens(p: Path, reads, writes, dtype) -> SAE:
     activation = {"standard": act, "jumprelu": "jumprelu", "topk": "topk", "transcoder": act,
                   "jumprelu_transcoder": "jumprelu"}.get(arch, arch)
     k = cfg.get("k") or (cfg.get("activation_fn_kwargs") or {}).get("k")
-    weights = load_file(str(p / "sae_weights.safetensors"))
+    weights = _read(p / "sae_weights.safetensors", lambda f: load_file(str(f)))
     if "log_threshold" in weights and "threshold" not in weights:  # a training checkpoint's JumpReLU
         weights["threshold"] = weights.pop("log_threshold").exp()
     return _built(weights, address, _point(cfg.get("hook_name_out"), writes, "hook_name_out", p), activation, k,
@@ -297,8 +310,11 @@ def _from_npz(p: Path, reads, writes, dtype) -> SAE:
     if reads is None:
         raise SpecError(fix(f"{p} (Gemma Scope) does not say which point it reads.",
                             'pass reads= to load_sae, e.g. load_sae(path, reads="resid_post.12").'))
-    with np.load(p, allow_pickle=False) as params:
-        weights = {name: torch.from_numpy(params[name].copy()) for name in params.files}
+    def arrays(f):
+        with np.load(f, allow_pickle=False) as params:
+            return {name: torch.from_numpy(params[name].copy()) for name in params.files}
+
+    weights = _read(p, arrays)
     activation = "jumprelu" if "threshold" in weights else "relu"
     return _built(weights, Address.parse(reads), None if writes is None else Address.parse(writes), activation,
                   None, "none", False, dtype, p)

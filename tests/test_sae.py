@@ -228,3 +228,24 @@ def test_vllm_static_refuses_sae_edits_and_features_of_an_undeclared_point_befor
     with pytest.raises(InterpEngineError, match="resid_post.0"):
         capture(model, PROMPTS, [random_sae(model.d_model, 0, 4).features], progress=False)
     assert not model.runtime.is_loaded, "refusals come before the engine loads"
+
+
+def test_damaged_sae_files_are_refused_with_the_fix(tmp_path):
+    """A truncated weights file, a cfg.json nested past any parser's depth or not an object, a truncated npz:
+    the library's SpecError with a Fix line, not safetensors', json's or numpy's own exception."""
+    arrays = _arrays(8, 16, seed=3)
+    cut = _saelens(tmp_path / "cut", arrays, "standard")
+    data = (cut / "sae_weights.safetensors").read_bytes()
+    (cut / "sae_weights.safetensors").write_bytes(data[: len(data) // 2])
+    nested = _saelens(tmp_path / "nested", arrays, "standard")
+    (nested / "cfg.json").write_text("[" * 100_000)
+    listed = _saelens(tmp_path / "listed", arrays, "standard")
+    (listed / "cfg.json").write_text("[1, 2]")
+    npz = tmp_path / "params.npz"
+    np.savez(npz, **arrays)
+    npz.write_bytes(npz.read_bytes()[:200])
+    for path, what in ((cut, "could not be read as an SAE file"), (nested, "could not be read as an SAE file"),
+                       (listed, "not SAELens's settings object"), (npz, "could not be read as an SAE file")):
+        with pytest.raises(SpecError, match=what) as info:
+            load_sae(path, reads="resid_post.1")
+        assert "Fix:" in str(info.value), path
