@@ -5,6 +5,9 @@ when it does not, 2 for bad input (the error says the fix).
 
 `interp-engine harvest MODEL --points resid_post.10 --prompts FILE --out DIR` streams activations to sharded
 safetensors files (interp_engine.harvest); rerun it to resume. Exit status: 0 done, 2 bad input.
+
+`interp-engine serve PATH --backend vllm ...` runs vLLM's OpenAI-compatible server with per-request specs and
+captures (interp_engine.serve).
 """
 
 import argparse
@@ -89,6 +92,11 @@ def _harvest(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # its own parser: every flag it does not know is vLLM's (interp_engine/serve.py)
+        from interp_engine.serve import main as serve
+
+        return serve(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "harvest":
         return _harvest(args)

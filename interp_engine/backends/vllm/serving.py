@@ -1,0 +1,204 @@
+"""Per-request interp over vLLM's own OpenAI-compatible server: the request's `interp` object becomes a call.
+
+A request to /v1/completions or /v1/chat/completions may carry `"interp": {"spec": Spec.to_dict(),
+"capture": {"points": [...], "dtype": "float16"}}`. The ASGI middleware (innermost: vLLM's API-key check runs
+first) validates it with the offline path's own checks (`Spec.from_dict`, `validate.plan`) and answers a bad one
+with HTTP 400 and the Python API's message; a good one becomes a `Job`. vLLM's serving code then calls the engine
+client's `generate` once per prompt; our wrapper of it tags each engine request exactly as the offline path does
+(`wire.tag`, the table in every request of the job, so the order vLLM schedules them in does not matter), salts
+its prefix cache and skips reading it, and after the job's last request finishes collects the workers' records
+(`wire.COLLECT`). A non-streaming response gets an `interp` field with the captures (`encode_captures`).
+Nothing in a request is executed or unpickled: specs are JSON, tensors base64 bytes with dtype and shape.
+"""
+
+import base64
+import contextvars
+import copy
+import dataclasses
+import json
+import os
+import uuid
+from typing import Any
+
+import torch
+
+from interp_engine.addresses import Address
+from interp_engine.backends.vllm import wire
+from interp_engine.errors import InterpEngineError, SpecError, fix
+from interp_engine.spec import Spec
+from interp_engine.validate import Plan, plan
+
+ROUTES = ("/v1/completions", "/v1/chat/completions")
+JOB: contextvars.ContextVar["Job | None"] = contextvars.ContextVar("interp_job", default=None)
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What one request may ask for (0: no limit)."""
+
+    spec_bytes: int = 16 << 20  # the request body, when it carries interp
+    ops: int = 64
+    capture_bytes: int = 256 << 20  # the captures of one response, as returned
+
+
+@dataclasses.dataclass
+class Job:
+    """One HTTP request's call: its table, its prompts as they finish, and what its workers recorded."""
+
+    call: str
+    table: dict
+    reads: tuple[Address, ...]
+    n_prompts: int
+    dtype: torch.dtype | None = None
+    started: int = 0
+    ran: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # prompt -> tokens that ran through the model
+    finished: int = 0
+    records: dict[Address, torch.Tensor] | None = None
+    error: InterpEngineError | None = None
+
+
+class Service:
+    """The model handle the requests are checked against, the server's default spec and limits."""
+
+    def __init__(self, handle, *, default: dict | None = None, limits: Limits = Limits()):
+        self.handle, self.limits = handle, limits
+        self.default = None if default is None else self.interp({"spec": default}, n_prompts=1)
+
+    def interp(self, body: Any, *, n_prompts: int) -> tuple[Plan, torch.dtype | None]:
+        """The request's `interp` object -> (its plan, the captures' dtype), checked as the Python API checks."""
+        if not isinstance(body, dict) or set(body) - {"spec", "capture"}:
+            raise SpecError(fix(f"interp must be an object with 'spec' and/or 'capture', got {_shown(body)}.",
+                                'send {"interp": {"spec": Spec.to_dict(), "capture": {"points": ["resid_post.0"]}}} '
+                                "(interp_engine.client.extra_body builds it)."))
+        raw = body.get("spec")
+        spec = Spec() if raw is None else Spec.from_dict(raw)
+        if self.limits.ops and len(spec.ops) > self.limits.ops:
+            raise SpecError(fix(f"this spec has {len(spec.ops)} ops; the server takes at most {self.limits.ops}.",
+                                "send fewer ops per request, or start the server with a larger --max-ops."))
+        capture = body.get("capture") or {}
+        points = capture.get("points", []) if isinstance(capture, dict) else None
+        dtype = capture.get("dtype") if isinstance(capture, dict) else None
+        if not isinstance(points, list) or not all(isinstance(p, str) for p in points) or \
+                (dtype is not None and dtype not in DTYPES) or (isinstance(capture, dict) and
+                                                                set(capture) - {"points", "dtype"}):
+            raise SpecError(fix(f"capture must be {{'points': [names], 'dtype': optional}}, got {_shown(capture)}.",
+                                f'e.g. {{"points": ["resid_post.0"], "dtype": "float16"}}; dtype one of '
+                                f"{', '.join(DTYPES)}."))
+        reads = [Address.parse(p) for p in points]
+        # Prompt lengths are known only once vLLM has tokenized: index positions are checked as generate's are.
+        return (plan(self.handle, spec, reads, n_prompts=n_prompts, longest=1, purpose="generate"),
+                None if dtype is None else DTYPES[dtype])
+
+    def job(self, payload: dict, *, chat: bool) -> Job | None:
+        """The request's job (None: a plain request), or the library's error for a bad one."""
+        if "interp" not in payload and self.default is None:
+            return None
+        n_prompts = 1 if chat else _count_prompts(payload.get("prompt"))
+        checked, dtype = self.interp(payload["interp"], n_prompts=n_prompts) if "interp" in payload else self.default
+        if not checked.ops and not checked.reads:
+            return None
+        if (payload.get("n") or 1) != 1 or payload.get("use_beam_search") or payload.get("best_of"):
+            raise SpecError(fix("interp requests take one sample per prompt (n=1, no beam search, no best_of).",
+                                "send one request per sample."))
+        if checked.reads and payload.get("stream"):
+            raise SpecError(fix("captures come back in the whole response, not in a stream.",
+                                "send stream=false to capture; steering streams."))
+        spec = Spec(tuple(dataclasses.replace(op, point=a) for a, group in checked.ops.items() for op in group))
+        call = uuid.uuid4().hex
+        table = wire.table(call, spec.to_dict(), spec.fingerprint(), checked.reads)
+        return Job(call, table, tuple(checked.reads), n_prompts, dtype)
+
+
+def _count_prompts(prompt: Any) -> int:
+    """How many engine requests vLLM makes of a completion's `prompt` (a text, ids, or a list of either)."""
+    if isinstance(prompt, list) and prompt and not all(isinstance(p, int) for p in prompt):
+        return len(prompt)
+    return 1
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value)[:80] if _jsonable(value) else type(value).__name__
+    return text
+
+
+def _jsonable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+# ------------------------------------------------------------------------------------------- the engine side
+
+def wrap_generate(engine) -> None:
+    """Make `engine.generate` (vLLM's AsyncLLM, called by its serving code once per prompt) run the request's job."""
+    plain = engine.generate
+
+    def generate(prompt, sampling_params, request_id, *args, **kwargs):
+        job = JOB.get()
+        if job is None:
+            extra = getattr(sampling_params, "extra_args", None)
+            if extra and wire.TAG in extra:  # never a table a client wrote (vllm_xargs)
+                sampling_params = copy.copy(sampling_params)
+                sampling_params.extra_args = {k: v for k, v in extra.items() if k != wire.TAG}
+            return plain(prompt, sampling_params, request_id, *args, **kwargs)
+        index, job.started = job.started, job.started + 1
+        return _tabled(engine, plain, job, index, prompt, sampling_params, request_id, args, kwargs)
+
+    engine.generate = generate
+
+
+async def _tabled(engine, plain, job: Job, index: int, prompt, sampling_params, request_id, args, kwargs):
+    from vllm.sampling_params import RequestOutputKind
+
+    ids = list(prompt.get("prompt_token_ids") or []) if isinstance(prompt, dict) else []
+    params = copy.copy(sampling_params)
+    params.extra_args = {**(sampling_params.extra_args or {}), **wire.tag(job.call, index, len(ids), job.table)}
+    # As offline: the KV this request writes was computed under its edits, and it reads none computed without.
+    params.skip_reading_prefix_cache = True
+    delta = sampling_params.output_kind == RequestOutputKind.DELTA
+    new: list[int] = []
+    try:
+        async for out in plain({**prompt, "cache_salt": job.call}, params, request_id, *args, **kwargs):
+            tokens = list(out.outputs[0].token_ids) if out.outputs else []
+            new = new + tokens if delta else tokens
+            yield out
+    finally:
+        # The last generated token never ran through the model: the rows are the prompt and the others.
+        job.ran[index] = ids + new[:-1]
+        job.finished += 1
+        if job.finished == job.n_prompts:
+            await _collect(engine, job)
+
+
+async def _collect(engine, job: Job) -> None:
+    """The job's records out of the workers (and its table with them); a contained failure becomes its error."""
+    path = wire.result_path(job.call)
+    try:
+        answers = await engine.collective_rpc(wire.COLLECT, args=(job.call, path, wire.host()))
+        flat = wire.decode(wire.result(answers))
+        lengths = tuple(len(job.ran.get(i, [])) for i in range(job.n_prompts))
+        job.records = wire.assemble(flat, list(job.reads), lengths) if job.reads else {}
+    except InterpEngineError as e:
+        job.error = e
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+def encode_captures(job: Job, n_layers: int, limit: int) -> dict[str, Any]:
+    """The response's `interp` field: the captures as safetensors bytes (base64), keyed by address, each
+    [prompts, positions, ...] right-padded with zeros, with their shapes and the tokens each row's positions
+    hold (prompt, then every generated token but the last, which never ran through the model)."""
+    from safetensors.torch import save
+
+    tensors = {str(a): (t if job.dtype is None else t.to(job.dtype)).contiguous() for a, t in job.records.items()}
+    blob = save(tensors) if tensors else b""
+    if limit and len(blob) > limit:
+        raise SpecError(fix(f"these captures take {len(blob)} bytes; the server returns at most {limit} per response.",
+                            'capture fewer points, prompts or tokens, a smaller "dtype" (float16), or start the '
+                            "server with a larger --max-capture-bytes."))
+    return {"captures": base64.b64encode(blob).decode(), "shapes": {k: list(t.shape) for k, t in tensors.items()},
+            "tokens": [job.ran.get(i, []) for i in range(job.n_prompts)], "n_layers": n_layers}

