@@ -68,7 +68,9 @@ def _served(path, default, tmp_path_factory):
          str(port), "--api-key", KEY, "--default-spec", str(default), "--max-model-len", "128",
          "--chat-template", str(default.parent / "chat.jinja"),
          "--max-ops", str(MAX_OPS), "--max-spec-bytes", str(1 << 20)],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+        stdout=log, stderr=subprocess.STDOUT,
+        # Dev mode: vLLM's /collective_rpc, to ask the workers what they still hold.
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "VLLM_SERVER_DEV_MODE": "1"})
     deadline = time.monotonic() + 240
     while True:
         try:
@@ -198,7 +200,12 @@ def test_bad_requests_are_refused_with_the_python_message_and_the_server_goes_on
     assert steered == _offline(eager, Spec.from_dict(good))
 
 
-def test_sigterm_leaves_no_child_process(server):
+def test_nothing_outlives_a_request_and_sigterm_leaves_no_child_process(server):
+    status = urllib.request.Request(server[1].removesuffix("/v1") + "/collective_rpc", method="POST",
+                                    data=json.dumps({"method": "ie_status"}).encode(),
+                                    headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(status, timeout=60) as answer:
+        assert json.load(answer)["results"] == [{"calls": 0, "hooks": 0}]
     process = server[0]
     children = psutil.Process(process.pid).children(recursive=True)
     assert children, "the server's engine runs in child processes"

@@ -49,7 +49,6 @@ class Job:
     call: str
     table: dict
     reads: tuple[Address, ...]
-    n_prompts: int
     dtype: torch.dtype | None = None
     started: int = 0
     ran: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # prompt -> tokens that ran through the model
@@ -107,7 +106,7 @@ class Service:
         spec = Spec(tuple(dataclasses.replace(op, point=a) for a, group in checked.ops.items() for op in group))
         call = uuid.uuid4().hex
         table = wire.table(call, spec.to_dict(), spec.fingerprint(), checked.reads)
-        return Job(call, table, tuple(checked.reads), n_prompts, dtype)
+        return Job(call, table, tuple(checked.reads), dtype)
 
 
 def _count_prompts(prompt: Any) -> int:
@@ -169,7 +168,8 @@ async def _tabled(engine, plain, job: Job, index: int, prompt, sampling_params, 
         # The last generated token never ran through the model: the rows are the prompt and the others.
         job.ran[index] = ids + new[:-1]
         job.finished += 1
-        if job.finished == job.n_prompts:
+        # vLLM's serving code calls generate for every prompt before it reads any: the last to end collects.
+        if job.finished == job.started:
             await _collect(engine, job)
 
 
@@ -179,7 +179,7 @@ async def _collect(engine, job: Job) -> None:
     try:
         answers = await engine.collective_rpc(wire.COLLECT, args=(job.call, path, wire.host()))
         flat = wire.decode(wire.result(answers))
-        lengths = tuple(len(job.ran.get(i, [])) for i in range(job.n_prompts))
+        lengths = tuple(len(job.ran.get(i, [])) for i in range(job.started))
         job.records = wire.assemble(flat, list(job.reads), lengths) if job.reads else {}
     except InterpEngineError as e:
         job.error = e
@@ -201,4 +201,4 @@ def encode_captures(job: Job, n_layers: int, limit: int) -> dict[str, Any]:
                             'capture fewer points, prompts or tokens, a smaller "dtype" (float16), or start the '
                             "server with a larger --max-capture-bytes."))
     return {"captures": base64.b64encode(blob).decode(), "shapes": {k: list(t.shape) for k, t in tensors.items()},
-            "tokens": [job.ran.get(i, []) for i in range(job.n_prompts)], "n_layers": n_layers}
+            "tokens": [job.ran.get(i, []) for i in range(job.started)], "n_layers": n_layers}
