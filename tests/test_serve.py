@@ -62,11 +62,14 @@ def server(tiny_path, tmp_path_factory):
 
 def _served(path, default, tmp_path_factory):
     port = _free_port()
-    log = open(tmp_path_factory.mktemp("serve_log") / "server.log", "w+")
+    log = open(tmp_path_factory.mktemp("serve_log") / "server.log", "a+")  # O_APPEND: our reads move no write
     process = subprocess.Popen(
         [sys.executable, "-m", "interp_engine.serve", path, "--backend", "vllm", "--host", "127.0.0.1", "--port",
          str(port), "--api-key", KEY, "--default-spec", str(default), "--max-model-len", "128",
          "--chat-template", str(default.parent / "chat.jinja"),
+         # A vLLM flag, passed through: the worker inside the engine core process, one process start (~20 s
+         # here) less. The default (a worker process) is the offline backend's, which its own tests cover.
+         "--distributed-executor-backend", "uni",
          "--max-ops", str(MAX_OPS), "--max-spec-bytes", str(1 << 20)],
         stdout=log, stderr=subprocess.STDOUT,
         # Dev mode: vLLM's /collective_rpc, to ask the workers what they still hold.
