@@ -203,6 +203,18 @@ def test_bad_requests_are_refused_with_the_python_message_and_the_server_goes_on
     assert steered == _offline(eager, Spec.from_dict(good))
 
 
+def test_the_command_refuses_what_it_cannot_serve_before_starting(tiny_path, tmp_path, capsys):
+    from interp_engine.serve import main
+
+    path = str(tiny_path("llama"))
+    assert main([path, "--backend", "eager"]) == 2
+    assert 'runs backend="vllm"' in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(Spec((S.Scale("resid_mid.9", 2.0),)).to_dict()))
+    assert main([path, "--default-spec", str(bad)]) == 2
+    assert "resid_mid.9" in capsys.readouterr().err
+
+
 def test_nothing_outlives_a_request_and_sigterm_leaves_no_child_process(server):
     status = urllib.request.Request(server[1].removesuffix("/v1") + "/collective_rpc", method="POST",
                                     data=json.dumps({"method": "ie_status"}).encode(),

@@ -155,8 +155,8 @@ def serve(handle, vllm_argv: list[str], service_options: dict) -> None:
     import uvloop
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
 
-    cli_env_setup()
+    service = serving.Service(handle, **service_options)  # a bad --default-spec: refused before anything starts
     args, env = engine_args(handle, vllm_argv)
+    cli_env_setup()
     os.environ.update(env)  # this process is the server's: its engine's processes inherit these
-    service = serving.Service(handle, **service_options)
     uvloop.run(run(handle, args, service))
