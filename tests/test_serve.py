@@ -33,6 +33,7 @@ KEY = "test-key"
 PROMPTS = ["The quick brown", "Paris is the capital of"]
 RTOL, ATOL = 1e-4, 1e-5  # as tests/test_vllm_backend.py: vLLM's kernels against HF's forward, fp32
 MAX_OPS = 8
+MAX_CAPTURE = 200_000  # bytes: the captures test takes ~40 kB, the refused one ~370 kB
 
 
 def _vector(seed: int, scale: float = 4.0) -> torch.Tensor:
@@ -70,7 +71,7 @@ def _served(path, default, tmp_path_factory):
          # A vLLM flag, passed through: the worker inside the engine core process, one process start (~20 s
          # here) less. The default (a worker process) is the offline backend's, which its own tests cover.
          "--distributed-executor-backend", "uni",
-         "--max-ops", str(MAX_OPS), "--max-spec-bytes", str(1 << 20)],
+         "--max-ops", str(MAX_OPS), "--max-spec-bytes", str(1 << 20), "--max-capture-bytes", str(MAX_CAPTURE)],
         stdout=log, stderr=subprocess.STDOUT,
         # Dev mode: vLLM's /collective_rpc, to ask the workers what they still hold.
         env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "VLLM_SERVER_DEV_MODE": "1"})
@@ -190,6 +191,9 @@ def test_bad_requests_are_refused_with_the_python_message_and_the_server_goes_on
     with pytest.raises(openai.BadRequestError, match="stream=false"):
         api.completions.create(model=server[2], prompt=PROMPTS[0], max_tokens=2, stream=True,
                                extra_body=client.extra_body(None, capture=["resid_post.0"]))
+    with pytest.raises(openai.BadRequestError, match="--max-capture-bytes"):
+        api.completions.create(model=server[2], prompt=[5] * 120, max_tokens=2, extra_body=client.extra_body(
+            None, capture=[f"{p}.{i}" for p in ("resid_post", "attn_out") for i in range(3)]))
     stranger = openai.OpenAI(base_url=server[1], api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):  # 401 before the body is read
         stranger.completions.create(model=server[2], prompt=PROMPTS[0], max_tokens=2,
