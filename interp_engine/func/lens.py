@@ -59,28 +59,38 @@ def logit_lens(model: ModelHandle, tokens: PromptsLike, *, points: Sequence[str 
         raise SpecError(fix(f"the logit lens reads the residual stream; {', '.join(bad)} is not d_model-shaped.",
                             "use resid_pre/resid_mid/resid_post, attn_out, mlp_out, embed or final."))
     prompts, plan = prepare(model, tokens, spec, chosen, purpose="forward", verb="logit_lens", batch_size=batch_size)
-    index = None if positions is None else _positions(positions, prompts.lengths)
+    index = None if positions is None else position_index(positions, prompts.lengths, "logit_lens")
     logprobs = model.runtime.lens(prompts, plan, batch_size=batch_size, progress=progress)
     out = torch.stack([logprobs[a.resolve(model.n_layers)] for a in chosen])
     if index is not None:
-        out = torch.gather(out, 2, index.to(out.device)[None, :, :, None].expand(len(chosen), -1, -1, out.shape[-1]))
+        out = at_positions(out, index, dim=2)
     if top_k is None:
         return out
     values, ids = out.topk(top_k, dim=-1)
     return LensTop(logprobs=values, tokens=ids)
 
 
-def _positions(positions, lengths: tuple[int, ...]) -> Tensor:
-    """[batch, n] indices into each prompt's own positions, checked against every prompt before the forward."""
+def position_index(positions, lengths: tuple[int, ...], verb: str) -> Tensor:
+    """[batch, n] indices into each prompt's own positions (`positions=` of logit_lens, steer and forward),
+    checked against every prompt before the forward."""
     if positions == "last":
         return torch.tensor([[n - 1] for n in lengths])
     wanted = [positions] if isinstance(positions, int) else list(positions)
     if isinstance(positions, str) or not wanted or not all(isinstance(p, int) and not isinstance(p, bool)
                                                            for p in wanted):
-        raise SpecError(fix(f"positions={positions!r} is not what logit_lens keeps.",
+        raise SpecError(fix(f"positions={positions!r} is not what {verb} keeps.",
                             'pass "last", an index, or a non-empty list of indices, e.g. positions=[-2, -1].'))
     bad = sorted({p for p in wanted for n in lengths if not -n <= p < n})
     if bad:
         raise SpecError(fix(f"positions {bad} fall outside a prompt of {min(lengths)} tokens.",
                             f"use indices in {-min(lengths)}..{min(lengths) - 1}, which every prompt has."))
     return torch.tensor([[p % n for p in wanted] for n in lengths])
+
+
+def at_positions(values: Tensor, index: Tensor, *, dim: int) -> Tensor:
+    """`values` (batch at dim - 1, pos at dim) at each prompt's `index` row: pos becomes the chosen positions."""
+    shape = [1] * values.dim()
+    shape[dim - 1], shape[dim] = index.shape
+    expanded = list(values.shape)
+    expanded[dim] = index.shape[1]
+    return torch.gather(values, dim, index.to(values.device).view(shape).expand(expanded))
