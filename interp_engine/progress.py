@@ -6,7 +6,7 @@ import sys
 from tqdm.auto import tqdm
 
 # tqdm.auto picks the notebook widget under Jupyter, whose stderr is not a TTY but shows the widget anyway.
-_NOTEBOOK = tqdm.__module__ != "tqdm.std"
+_NOTEBOOK = any(cls.__module__ == "tqdm.notebook" for cls in tqdm.__mro__)
 
 
 def showing(progress: bool) -> bool:

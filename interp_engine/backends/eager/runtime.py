@@ -10,6 +10,8 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from interp_engine.progress import showing
+
 from interp_engine.addresses import Address
 from interp_engine.arch import Arch, Dims
 from interp_engine.backends.base import TokenizerRuntime
@@ -100,7 +102,7 @@ class EagerRuntime(TokenizerRuntime):
         logits_parts, record_parts = [], {a: [] for a in plan.reads}
         reads = frozenset(plan.reads) | ({LOGITS} if want_logits else frozenset())
         # A disabled tqdm still costs ~50 us to build; most calls are one chunk.
-        shown = progress and len(chunks) > 1
+        shown = showing(progress and len(chunks) > 1)
         bar = tqdm(chunks, desc="forward", unit="batch") if shown else chunks
         with self._busy, torch.inference_mode():
             for rows in bar:

@@ -359,13 +359,13 @@ class VllmRuntime(TokenizerRuntime):
         """Step the engine until these requests have finished. Another thread's call may be stepping it too:
         each step's finished outputs go to whichever call owns them, so calls share batches and wait in turn
         only for the step itself."""
-        from tqdm.auto import tqdm
+        from interp_engine.progress import bar as progress_bar
 
         life = requests.life
         if life is None:  # nothing was submitted
             return
         llm = life.llm
-        bar = tqdm(total=len(requests.ids), desc="Processed prompts", disable=not progress, dynamic_ncols=True)
+        bar = progress_bar(total=len(requests.ids), desc="Processed prompts", progress=progress, dynamic_ncols=True)
         with bar:
             while requests.waiting:
                 # Ctrl-C lands after the step: inside a Condition's wait (queue.get) it can become "RuntimeError:
