@@ -28,5 +28,6 @@ def test_bars_are_quiet_off_a_terminal_and_shown_on_one(eager, capsys, monkeypat
     logit_lens(model, PROMPTS, batch_size=1, positions="last")
     generate(model, PROMPTS[0], max_new_tokens=4)  # one prompt: the bar counts its generated tokens
     shown = terminal.getvalue()
-    assert shown.count("forward: 100%") == 2 and f"{len(PROMPTS)}/{len(PROMPTS)}" in shown, shown
+    # A bar draws its empty state once when it starts; its later redraws depend on the machine's speed.
+    assert shown.count("forward:   0%") == 2 and f"{len(PROMPTS)}/{len(PROMPTS)}" in shown, shown
     assert "generate: 100%" in shown and "4/4" in shown, shown
