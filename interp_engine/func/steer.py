@@ -4,10 +4,10 @@ from beartype import beartype
 from jaxtyping import jaxtyped
 
 from interp_engine.func._prepare import checked_arguments, prepare
-from interp_engine.func.lens import at_positions, position_index
 from interp_engine.func.shapes import checked_result
 from interp_engine.handle import ModelHandle
 from interp_engine.inputs import PromptsLike
+from interp_engine.positions import position_index
 from interp_engine.spec import Op, Spec
 from interp_engine.typing import Logits
 
@@ -22,8 +22,9 @@ def steer(model: ModelHandle, tokens: PromptsLike, spec: Spec | Op | Sequence[Op
     them in each prompt's own sequence (negative from its end), or "last"."""
     prompts, plan = prepare(model, tokens, spec, (), purpose="forward", verb="steer", batch_size=batch_size)
     index = None if positions is None else position_index(positions, prompts.lengths, "steer")
-    logits, _ = model.runtime.forward(prompts, plan, batch_size=batch_size, want_logits=True, progress=progress)
-    return logits if index is None else at_positions(logits, index, dim=1)
+    logits, _ = model.runtime.forward(prompts, plan, batch_size=batch_size, want_logits=True, progress=progress,
+                                      logits_at=index)
+    return logits
 
 
 @checked_arguments
@@ -35,5 +36,6 @@ def forward(model: ModelHandle, tokens: PromptsLike, *, positions: int | Sequenc
     `positions` as steer's."""
     prompts, plan = prepare(model, tokens, None, (), purpose="forward", verb="steer", batch_size=batch_size)
     index = None if positions is None else position_index(positions, prompts.lengths, "forward")
-    logits, _ = model.runtime.forward(prompts, plan, batch_size=batch_size, want_logits=True, progress=progress)
-    return logits if index is None else at_positions(logits, index, dim=1)
+    logits, _ = model.runtime.forward(prompts, plan, batch_size=batch_size, want_logits=True, progress=progress,
+                                      logits_at=index)
+    return logits
