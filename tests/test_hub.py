@@ -18,6 +18,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tests.skips import requires
 from interp_engine import forward, load_model
 from interp_engine.errors import InputTypeError, LoadError, SpecError
 
@@ -132,3 +133,14 @@ def test_hub_keywords_on_a_local_folder_are_refused(tiny_path):
         load_model(str(tiny_path("llama")), backend="eager", revision="main", token="hf_x")
     with pytest.raises(InputTypeError, match=r"token=3 must be a str, True or False; progress='no' must be True"):
         load_model(REPO, backend="eager", token=3, progress="no")
+
+
+@requires("vllm")
+def test_vllm_handles_get_the_downloaded_snapshot_folder(hub_server, tmp_path):
+    """Lazy: no engine starts. The engine is given the folder, never the repo id (it would ask the Hub itself)."""
+    from interp_engine.backends.vllm.engine import settings
+
+    model = load_model(REPO, backend="vllm", progress=False)
+    snapshot = Path(huggingface_hub.constants.HF_HUB_CACHE) / "models--tiny-org--tiny-llama" / "snapshots" / COMMIT
+    assert Path(model.runtime.source) == snapshot and not model.is_loaded
+    assert settings(model.runtime)[0]["model"] == str(snapshot)
