@@ -7,7 +7,9 @@ with the headers huggingface_hub reads (ETag, X-Repo-Commit, Content-Length); an
 """
 
 import hashlib
+import io
 import json
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -93,9 +95,24 @@ def hub_server(tmp_path, monkeypatch, tiny_path):
     thread.join()
 
 
-def test_a_repo_id_not_in_the_cache_is_downloaded_then_loaded_from_the_snapshot(hub_server, tiny_path, tmp_path):
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_repo_id_not_in_the_cache_is_downloaded_then_loaded_from_the_snapshot(hub_server, tiny_path, tmp_path,
+                                                                                  monkeypatch):
     endpoint, served = hub_server
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)  # on a terminal, the download draws huggingface_hub's bars
     model = load_model(REPO, backend="eager", device="cpu", dtype="float32", cache_dir=str(tmp_path / "mine"))
+    n_files = len([p for p in tiny_path("llama").iterdir() if p.is_file()])
+    assert f"Fetching {n_files} files: 100%" in terminal.getvalue(), terminal.getvalue()
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    load_model(REPO, backend="eager", cache_dir=str(tmp_path / "quiet"), progress=False)
+    assert (tmp_path / "quiet" / "models--tiny-org--tiny-llama" / "snapshots" / COMMIT).is_dir()
+    assert terminal.getvalue() == ""
     snapshot = tmp_path / "mine" / "models--tiny-org--tiny-llama" / "snapshots" / COMMIT
     assert Path(model.runtime.source) == snapshot
     assert sorted(p.name for p in snapshot.iterdir()) == sorted(p.name for p in tiny_path("llama").iterdir())
