@@ -10,9 +10,6 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from interp_engine.positions import at_positions
-from interp_engine.progress import showing
-
 from interp_engine.addresses import Address
 from interp_engine.arch import Arch, Dims
 from interp_engine.backends.base import TokenizerRuntime
@@ -23,6 +20,8 @@ from interp_engine.backends.eager.weights import read_weights
 from interp_engine.backends.eager.sites import Layout, Run, installed
 from interp_engine.errors import LoadError, fix
 from interp_engine.inputs import Prompts
+from interp_engine.positions import at_positions
+from interp_engine.progress import showing
 from interp_engine.validate import Plan
 from interp_engine.weights import Weights
 
