@@ -48,7 +48,7 @@ def _harvest_parser(commands) -> None:
         description="Capture activations at the points on every prompt and stream them to sharded safetensors "
                     "files with a JSON manifest. Rerunning the same command resumes an interrupted run.",
         epilog="exit status: 0 done, 2 bad input")
-    harvest.add_argument("model", help="a checkpoint folder or a repo id in the local HF cache")
+    harvest.add_argument("model", help="a checkpoint folder or a HF repo id (downloaded when not in the local HF cache)")
     harvest.add_argument("--points", required=True,
                          help='comma-separated, ours or TransformerLens names: "resid_post.10,blocks.3.hook_mlp_out"')
     harvest.add_argument("--prompts", required=True, help="a text file (one prompt per line) or a .jsonl file")

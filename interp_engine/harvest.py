@@ -27,7 +27,6 @@ from typing import Any
 import torch
 from beartype import beartype
 from jaxtyping import jaxtyped
-from tqdm.auto import tqdm
 
 from interp_engine.addresses import Address
 from interp_engine.errors import HarvestError, InputTypeError, InterpEngineError, SpecError, fix
@@ -35,6 +34,7 @@ from interp_engine.handle import ModelHandle
 from interp_engine.harvest_read import Harvest, _verified, load_harvest  # noqa: F401 (re-exported)
 from interp_engine.harvest_store import (FORMAT, MANIFEST, TMP, check_shard, read_manifest, token_digest,
                                          verify_digest, write_json, write_shard)
+from interp_engine.progress import bar as progress_bar
 from interp_engine.spec import FLOAT_DTYPES, Op, Spec, as_spec
 from interp_engine.warnings import InterpEngineWarning
 
@@ -89,7 +89,7 @@ def harvest(model: ModelHandle, prompts: str | os.PathLike | Iterable, points: S
                                 "has more.", "harvest into a new folder (or delete this one to start over)."))
         return _verified(out)
 
-    bar = tqdm(desc=f"harvest {model.name}", unit="tok", unit_scale=True, disable=not progress)
+    bar = progress_bar(desc=f"harvest {model.name}", unit="tok", unit_scale=True, progress=progress)
     bar.set_postfix_str(_progress(done_prompts, count))
     shard: list[tuple[tuple[tuple[int, ...], ...], dict[str, torch.Tensor]]] = []
     held = 0

@@ -13,6 +13,7 @@ from interp_engine import backends
 from interp_engine import quantization as Q
 from interp_engine.errors import InputTypeError, SpecError, fix
 from interp_engine.handle import ModelHandle
+from interp_engine.hub import HubSource
 from interp_engine.load_guards import check_fits
 from interp_engine.selection import (BackendSelection, Hardware, check_backend, choose_backend, read_config,
                                      select_backend, vllm_installed)
@@ -37,11 +38,17 @@ def load_model(
     gpu_memory_utilization: float | None = None,
     max_model_len: int | None = None,
     extra_vllm_kwargs: dict[str, Any] | None = None,
+    revision: str | None = None,
+    cache_dir: str | None = None,
+    token: str | bool | None = None,
+    progress: bool = True,
     **kwargs: Any,
 ) -> ModelHandle:
-    """A lazy handle on `repo_id` (a HF repo id in the local cache, or a checkpoint folder).
+    """A lazy handle on `repo_id` (a checkpoint folder, or a HF repo id).
 
-    Nothing heavy happens here: `await model.warmup()` (or the first call that needs the weights) loads.
+    A repo id not in the local HF cache is downloaded first (`revision=`, `cache_dir=`, `token=`; a progress bar
+    on a terminal unless `progress=False`; `HF_HUB_OFFLINE=1` refuses), and every backend loads the snapshot
+    folder. Nothing else heavy happens here: `await model.warmup()` (or the first call that needs the weights) loads.
     Keywords not named here go verbatim to `from_pretrained` on eager; on vLLM, engine arguments go through
     `extra_vllm_kwargs`. `num_gpus` is never inferred: it is 1 unless given.
     """
@@ -51,7 +58,7 @@ def load_model(
                             "leave it at 1, or give the number of GPUs to shard over."))
     if not isinstance(requires_grad, bool):
         raise InputTypeError(fix(f"requires_grad must be True or False, got {requires_grad!r}.", "pass requires_grad=True."))
-    source, config = read_config(repo_id)
+    source, config = read_config(repo_id, HubSource(revision, cache_dir, token, progress))
     Q.check_shipped(config, quantization, str(repo_id))
     Q.check_scheme(quantization)
     Q.check_kv_cache_dtype(kv_cache_dtype)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from torch import Tensor
 
 from interp_engine.errors import SpecError, fix
 from interp_engine.tensor_data import MAX_INDEX, is_index, shown
@@ -140,3 +141,29 @@ def _position(value: int) -> int:
 
 ALL = Positions("all")
 LAST = Positions("last")
+
+
+def position_index(positions, lengths: tuple[int, ...], verb: str) -> Tensor:
+    """[batch, n] indices into each prompt's own positions: `positions=` of logit_lens, steer and forward (not an
+    op's `Positions`: one index list for every prompt, or "last"), checked against every prompt before the forward."""
+    if positions == "last":
+        return torch.tensor([[n - 1] for n in lengths])
+    wanted = [positions] if isinstance(positions, int) else list(positions)
+    if isinstance(positions, str) or not wanted or not all(isinstance(p, int) and not isinstance(p, bool)
+                                                           for p in wanted):
+        raise SpecError(fix(f"positions={positions!r} is not what {verb} keeps.",
+                            'pass "last", an index, or a non-empty list of indices, e.g. positions=[-2, -1].'))
+    bad = sorted({p for p in wanted for n in lengths if not -n <= p < n})
+    if bad:
+        raise SpecError(fix(f"positions {bad} fall outside a prompt of {min(lengths)} tokens.",
+                            f"use indices in {-min(lengths)}..{min(lengths) - 1}, which every prompt has."))
+    return torch.tensor([[p % n for p in wanted] for n in lengths])
+
+
+def at_positions(values: Tensor, index: Tensor, *, dim: int) -> Tensor:
+    """`values` (batch at dim - 1, pos at dim) at each prompt's `index` row: pos becomes the chosen positions."""
+    shape = [1] * values.dim()
+    shape[dim - 1], shape[dim] = index.shape
+    expanded = list(values.shape)
+    expanded[dim] = index.shape[1]
+    return torch.gather(values, dim, index.to(values.device).view(shape).expand(expanded))

@@ -17,6 +17,7 @@ import torch
 from interp_engine.arch import arch_for, check_sizes, vllm_model_types
 from interp_engine.arch.vllm_cpu import cpu_refusal
 from interp_engine.errors import BackendError, InputTypeError, LoadError, SpecError, fix
+from interp_engine.hub import HubSource, fetch
 
 BACKENDS = ("auto", "vllm", "vllm-static", "vllm-generate", "eager")
 VLLM_BACKENDS = ("vllm", "vllm-static", "vllm-generate")
@@ -75,8 +76,9 @@ def _check_raw_sizes(path: Path) -> None:
         check_sizes(raw)
 
 
-def read_config(repo_id: Any):
-    """(local folder, transformers config) for a checkpoint folder or a repo id in the local HF cache."""
+def read_config(repo_id: Any, hub: HubSource | None = None):
+    """(local folder, transformers config) for a checkpoint folder or a repo id: from the local HF cache, or
+    downloaded when `hub` is given (load_model); without it (select_backend, the validator) nothing is fetched."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
@@ -85,16 +87,19 @@ def read_config(repo_id: Any):
         raise InputTypeError(fix(f"repo_id must be a repo id or a folder path, got {repo_id!r}.",
                                  'e.g. load_model("Qwen/Qwen3-8B") or load_model("./my-checkpoint").'))
     folder = Path(repo_id).expanduser()
-    if not folder.is_dir():
+    if folder.is_dir() and hub is not None and hub.asked:
+        raise SpecError(fix(f"{', '.join(hub.asked)} choose what to download, and {str(repo_id)!r} is a local folder.",
+                            f"drop {', '.join(k + '=' for k in hub.asked)}, or pass a Hub repo id."))
+    if not folder.is_dir() and hub is not None:
+        folder = fetch(str(repo_id), hub)
+    elif not folder.is_dir():
         try:
             # The cached snapshot folder: vLLM and transformers then read files and never ask the hub.
             folder = Path(snapshot_download(str(repo_id), local_files_only=True))
         except (OSError, ValueError):  # not in the cache; or not even a valid repo id
             raise LoadError(fix(
-                f"{str(repo_id)!r} is neither a local folder nor in the local HF cache; interp_engine never "
-                "downloads at run time, so no download was attempted.",
-                "download it once where a network exists (huggingface-cli download ...) or pass a local folder "
-                "path.")) from None
+                f"{str(repo_id)!r} is neither a local folder nor in the local HF cache, and this call does not "
+                "download.", "load_model(...) downloads a Hub repo id; or pass a local folder path.")) from None
     if not (folder / "config.json").is_file():
         raise LoadError(fix(f"{folder} has no config.json, so it is not a HF checkpoint folder.",
                             "point at the folder save_pretrained() wrote (it holds config.json)."))

@@ -527,10 +527,14 @@ def test_requires_grad_must_be_a_bool(eager, tiny_path):
                         str(tiny_path("llama")), backend="eager", requires_grad="yes")
 
 
-@pytest.mark.parametrize("repo", ["tiny-org/not-cached", "./no/such/folder"])
-def test_missing_folder_or_uncached_repo_says_no_download(eager, offline_hub, repo):
-    assert_load_refused(eager, LoadError, (f"{repo!r} is neither a local folder nor in the local HF cache",
-                                           "never downloads", "pass a local folder path"), repo, backend="eager")
+@pytest.mark.parametrize("repo, fragments", [
+    ("tiny-org/not-cached", ("'tiny-org/not-cached' is not in the local HF cache and HF_HUB_OFFLINE=1 forbids",
+                             "unset HF_HUB_OFFLINE")),
+    ("./no/such/folder", ("'./no/such/folder' is neither a local folder nor a valid HF repo id",
+                          "pass a checkpoint folder that exists")),
+])
+def test_missing_folder_or_uncached_repo_offline(eager, offline_hub, repo, fragments):
+    assert_load_refused(eager, LoadError, fragments, repo, backend="eager")
 
 
 def test_folder_without_config_json(eager, tmp_path):

@@ -198,8 +198,8 @@ def test_repo_id_resolves_from_the_local_hf_cache_offline(offline_hub, tiny_path
 # ----------------------------------------------------------------------------------- keyword passthrough
 
 def test_unknown_keywords_go_verbatim_to_from_pretrained(tiny_path):
-    model = load_model(str(tiny_path("llama")), backend="eager", device="cpu", revision="main", rms_norm_eps=1e-3)
-    assert model.runtime.hf_kwargs == {"revision": "main", "rms_norm_eps": 1e-3}
+    model = load_model(str(tiny_path("llama")), backend="eager", device="cpu", use_cache=False, rms_norm_eps=1e-3)
+    assert model.runtime.hf_kwargs == {"use_cache": False, "rms_norm_eps": 1e-3}
     asyncio.run(model.warmup())
     # from_pretrained turns leftover keywords into config overrides: seeing it there proves HF received it.
     assert model.runtime.model.config.rms_norm_eps == 1e-3

@@ -44,3 +44,31 @@ def test_capture_converts_dtype_and_device(eager, hf_reference):
     assert cache.to(dtype=torch.float64)["resid_post.1"].dtype == torch.float64 and \
         cache["resid_post.1"].dtype == torch.float16  # to() returns a new cache
 
+
+
+def test_logits_at_chosen_positions_are_those_of_the_full_logits(eager, hf_reference):
+    """forward/steer(positions=) on ragged prompts: each prompt's own positions, as HF computes them alone."""
+    from interp_engine import spec as S
+
+    model, ref = eager("llama"), hf_reference("llama")
+    texts = [PROMPTS[0], "Paris", PROMPTS[2]]
+    lengths = [len(model.tokenize(t)) for t in texts]
+    assert len(set(lengths)) == 3
+    with torch.inference_mode():
+        alone = [ref(torch.tensor([model.tokenize(t)])).logits[0] for t in texts]
+    for positions, picks in [("last", [[n - 1] for n in lengths]), (0, [[0]] * 3),
+                             ([-1, 0], [[n - 1, 0] for n in lengths])]:
+        expected = torch.stack([alone[b][p] for b, p in enumerate(picks)])
+        torch.testing.assert_close(forward(model, texts, positions=positions, batch_size=2, progress=False),
+                                   expected, rtol=1e-4, atol=1e-4)
+    edit = S.Add("resid_post.0", torch.randn(model.d_model), scale=4.0)
+    full = steer(model, texts, edit, progress=False)
+    kept = steer(model, texts, edit, positions=[-2, 1], progress=False)
+    assert kept.shape == (3, 2, model.d_vocab)
+    for b, n in enumerate(lengths):
+        torch.testing.assert_close(kept[b], full[b, [n - 2, 1]])
+    assert not torch.allclose(kept[:, 0], torch.stack([a[n - 2] for a, n in zip(alone, lengths)]), atol=1e-3)
+    with pytest.raises(SpecError, match=rf"positions \[5\] fall outside a prompt of {min(lengths)} tokens"):
+        steer(model, texts, edit, positions=5)
+    with pytest.raises(SpecError, match="positions='first' is not what forward keeps"):
+        forward(model, texts, positions="first")

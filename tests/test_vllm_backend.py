@@ -87,6 +87,18 @@ def test_steering_equals_eager(served, eager, make):
     assert (logits - steer(model, PROMPTS, S.Spec())).abs().max() > 1e-3, "the edit must change the output"
 
 
+def test_logits_at_chosen_positions_equal_eager(served, eager):
+    family, model = served
+    texts = [PROMPTS[0], "Paris", PROMPTS[2]]
+    spec = S.Add("resid_post.0", torch.ones(model.d_model))
+    kept = steer(model, texts, spec, positions=[-1, 0])
+    full = steer(model, texts, spec)
+    assert kept.shape == (3, 2, model.d_vocab)
+    for b, n in enumerate(len(model.tokenize(t)) for t in texts):
+        assert torch.equal(kept[b], full[b, [n - 1, 0]])
+    _close(kept, steer(eager(family), texts, spec, positions=[-1, 0]))
+
+
 def test_logit_lens_runs_in_the_worker_and_equals_eager(served, eager):
     family, model = served
     spec = S.Add("resid_post.0", torch.ones(model.d_model))

@@ -12,6 +12,7 @@ from interp_engine.func._prepare import checked_arguments, prepare
 from interp_engine.func.shapes import checked_result
 from interp_engine.handle import ModelHandle
 from interp_engine.inputs import PromptsLike
+from interp_engine.positions import at_positions, position_index
 from interp_engine.spec import Op, Spec
 from interp_engine.typing import LogProbs
 
@@ -59,28 +60,12 @@ def logit_lens(model: ModelHandle, tokens: PromptsLike, *, points: Sequence[str 
         raise SpecError(fix(f"the logit lens reads the residual stream; {', '.join(bad)} is not d_model-shaped.",
                             "use resid_pre/resid_mid/resid_post, attn_out, mlp_out, embed or final."))
     prompts, plan = prepare(model, tokens, spec, chosen, purpose="forward", verb="logit_lens", batch_size=batch_size)
-    index = None if positions is None else _positions(positions, prompts.lengths)
+    index = None if positions is None else position_index(positions, prompts.lengths, "logit_lens")
     logprobs = model.runtime.lens(prompts, plan, batch_size=batch_size, progress=progress)
     out = torch.stack([logprobs[a.resolve(model.n_layers)] for a in chosen])
     if index is not None:
-        out = torch.gather(out, 2, index.to(out.device)[None, :, :, None].expand(len(chosen), -1, -1, out.shape[-1]))
+        out = at_positions(out, index, dim=2)
     if top_k is None:
         return out
     values, ids = out.topk(top_k, dim=-1)
     return LensTop(logprobs=values, tokens=ids)
-
-
-def _positions(positions, lengths: tuple[int, ...]) -> Tensor:
-    """[batch, n] indices into each prompt's own positions, checked against every prompt before the forward."""
-    if positions == "last":
-        return torch.tensor([[n - 1] for n in lengths])
-    wanted = [positions] if isinstance(positions, int) else list(positions)
-    if isinstance(positions, str) or not wanted or not all(isinstance(p, int) and not isinstance(p, bool)
-                                                           for p in wanted):
-        raise SpecError(fix(f"positions={positions!r} is not what logit_lens keeps.",
-                            'pass "last", an index, or a non-empty list of indices, e.g. positions=[-2, -1].'))
-    bad = sorted({p for p in wanted for n in lengths if not -n <= p < n})
-    if bad:
-        raise SpecError(fix(f"positions {bad} fall outside a prompt of {min(lengths)} tokens.",
-                            f"use indices in {-min(lengths)}..{min(lengths) - 1}, which every prompt has."))
-    return torch.tensor([[p % n for p in wanted] for n in lengths])

@@ -7,12 +7,12 @@ attend to the edited keys and values exactly as a full re-run would.
 
 import torch
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from interp_engine.edits import Step
 from interp_engine.errors import SpecError, fix
 from interp_engine.backends.eager.sites import Run
 from interp_engine.inputs import Prompts
+from interp_engine.progress import bar
 from interp_engine.validate import Plan
 
 
@@ -52,8 +52,10 @@ def decode(rt, prompts: Prompts, plan: Plan, *, max_new_tokens: int, temperature
     record_parts: dict = {a: [] for a in plan.reads}
     chunks = prompts.chunks(batch_size)
     sample = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
-    with torch.inference_mode():
-        for rows in tqdm(chunks, desc="generate", unit="batch", disable=not progress or len(chunks) == 1):
+    # Counted in generation steps, so one long prompt shows its progress too.
+    steps_bar = bar(total=len(chunks) * max_new_tokens, desc="generate", unit="tok", progress=progress)
+    with torch.inference_mode(), steps_bar:
+        for done, rows in enumerate(chunks, 1):
             lengths = torch.tensor([len(prompts.ids[i]) for i in rows], dtype=torch.long)
             width = int(lengths.max())
             ids = torch.full((len(rows), width), rt.pad_id, dtype=torch.long)
@@ -77,6 +79,7 @@ def decode(rt, prompts: Prompts, plan: Plan, *, max_new_tokens: int, temperature
             fed_rows: list[Tensor] = []
             for t in range(max_new_tokens):
                 token = pick(logits[:, -1], **sample).cpu()
+                steps_bar.update(1)
                 for r in range(len(rows)):
                     if active[r]:
                         chosen[r].append(int(token[r]))
@@ -98,6 +101,7 @@ def decode(rt, prompts: Prompts, plan: Plan, *, max_new_tokens: int, temperature
                 current = current + 1
                 if last_step:
                     break
+            steps_bar.update(done * max_new_tokens - steps_bar.n)  # the steps an early stop skipped
             new_tokens += chosen
             steps = max((len(c) for c in chosen), default=0)
             for address, parts in record_parts.items():

@@ -20,6 +20,8 @@ from interp_engine.backends.eager.weights import read_weights
 from interp_engine.backends.eager.sites import Layout, Run, installed
 from interp_engine.errors import LoadError, fix
 from interp_engine.inputs import Prompts
+from interp_engine.positions import at_positions
+from interp_engine.progress import showing
 from interp_engine.validate import Plan
 from interp_engine.weights import Weights
 
@@ -93,14 +95,14 @@ class EagerRuntime(TokenizerRuntime):
         return run.touch(LOGITS, out.logits) if run.wants(LOGITS) else out.logits
 
     def forward(self, prompts: Prompts, plan: Plan, *, batch_size: int, want_logits: bool,
-                progress: bool = True) -> tuple[Tensor | None, dict[Address, Tensor]]:
+                progress: bool = True, logits_at: Tensor | None = None) -> tuple[Tensor | None, dict[Address, Tensor]]:
         """Run every prompt (chunks of `batch_size`, right-padded); return logits and the recorded points."""
         chunks = prompts.chunks(batch_size)
         width = max(prompts.lengths)
         logits_parts, record_parts = [], {a: [] for a in plan.reads}
         reads = frozenset(plan.reads) | ({LOGITS} if want_logits else frozenset())
         # A disabled tqdm still costs ~50 us to build; most calls are one chunk.
-        shown = progress and len(chunks) > 1
+        shown = showing(progress and len(chunks) > 1)
         bar = tqdm(chunks, desc="forward", unit="batch") if shown else chunks
         with self._busy, torch.inference_mode():
             for rows in bar:
@@ -113,7 +115,9 @@ class EagerRuntime(TokenizerRuntime):
                 for address, parts in record_parts.items():
                     seen = run.records[address][0]
                     parts.append(_pad(_zero_padding(seen, step, address) if ragged else seen, width, address))
-                if want_logits:
+                if want_logits and logits_at is not None:  # cut per chunk: the full logits never pile up
+                    logits_parts.append(at_positions(logits, logits_at[list(rows)], dim=1))
+                elif want_logits:
                     logits_parts.append(_pad(_zero_padding(logits, step, LOGITS), width, LOGITS))
         records = {a: p[0] if len(p) == 1 else torch.cat(p) for a, p in record_parts.items()}
         return (torch.cat(logits_parts) if want_logits else None), records

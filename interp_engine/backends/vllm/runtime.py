@@ -30,6 +30,7 @@ from interp_engine.backends.vllm.procs import close_children, deferred_interrupt
 from interp_engine.backends.vllm.wire import assemble, flatten
 from interp_engine.errors import BackendError, LoadError, fix
 from interp_engine.inputs import Prompts
+from interp_engine.positions import at_positions
 from interp_engine.spec import Spec
 from interp_engine.taps import Taps
 from interp_engine.validate import Plan
@@ -95,9 +96,8 @@ class VllmRuntime(TokenizerRuntime):
 
                 before = {p.pid for p in psutil.Process().children(recursive=True)}
                 self.llm = self._engine()
-                # Exactly the processes this engine started: shutdown() waits for (and if need be kills) these.
-                # Python's multiprocessing resource tracker is not one of them: spawn starts it once per
-                # process and every later spawn reuses it.
+                # Exactly the processes this engine started: shutdown() waits for (and if need be kills) these;
+                # not Python's resource tracker, which spawn starts once per process and every later spawn reuses.
                 self._procs = [p for p in psutil.Process().children(recursive=True)
                                if p.pid not in before and p.pid != resource_tracker_pid()]
                 self._life = EngineLife(self.llm, self._procs, self.name)
@@ -203,8 +203,8 @@ class VllmRuntime(TokenizerRuntime):
     def generate(self, prompts: Prompts, plan: Plan, **kwargs) -> tuple[list[list[int]], dict[Address, Tensor]]:
         return self._generate(prompts, plan, **kwargs)
 
-    def _prefill(self, prompts: Prompts, plan: Plan, *, batch_size: int, want_logits: bool,
-                 progress: bool = True, lens: tuple[Address, ...] = ()) -> tuple[Tensor | None, dict[Address, Tensor]]:
+    def _prefill(self, prompts: Prompts, plan: Plan, *, batch_size: int, want_logits: bool, progress: bool = True,
+                 lens: tuple[Address, ...] = (), logits_at: Tensor | None = None):
         """Prefill every prompt once (max_tokens=1) with the call's table installed; vLLM batches them."""
         reads = list(dict.fromkeys([*plan.reads, *([LOGITS] if want_logits else [])]))
         call = uuid.uuid4().hex
@@ -213,7 +213,8 @@ class VllmRuntime(TokenizerRuntime):
             self._run(call, *wire.prefill_requests(call, prompts, table), progress=progress and len(prompts) > 1)
             blob = self._collect(call)
         records = assemble(blob, reads or list(lens), prompts.lengths, lens=bool(lens))
-        logits = records.get(LOGITS) if want_logits else None
+        logits = records.get(LOGITS) if want_logits else None  # the workers hand back every position's logits
+        logits = logits if logits is None or logits_at is None else at_positions(logits, logits_at, dim=1)
         if LOGITS not in plan.reads:
             records.pop(LOGITS, None)
         return logits, records
@@ -359,13 +360,13 @@ class VllmRuntime(TokenizerRuntime):
         """Step the engine until these requests have finished. Another thread's call may be stepping it too:
         each step's finished outputs go to whichever call owns them, so calls share batches and wait in turn
         only for the step itself."""
-        from tqdm.auto import tqdm
+        from interp_engine.progress import bar as progress_bar
 
         life = requests.life
         if life is None:  # nothing was submitted
             return
         llm = life.llm
-        bar = tqdm(total=len(requests.ids), desc="Processed prompts", disable=not progress, dynamic_ncols=True)
+        bar = progress_bar(total=len(requests.ids), desc="Processed prompts", progress=progress, dynamic_ncols=True)
         with bar:
             while requests.waiting:
                 # Ctrl-C lands after the step: inside a Condition's wait (queue.get) it can become "RuntimeError:
@@ -390,8 +391,7 @@ class VllmRuntime(TokenizerRuntime):
             requests.waiting.clear()
 
     def is_alive(self) -> bool:
-        """False once the engine is faulted (a process exited or was stopped, the protocol died; see life.py)
-        or vLLM marked its engine dead."""
+        """False once the engine is faulted (a process exited or stopped, the protocol died: life.py) or dead."""
         life = self._life
         if life is None or life.fault is not None:
             return False
