@@ -50,6 +50,25 @@ def environ(values: dict[str, str]):
                 os.environ[k] = v
 
 
+def exited(processes: list, timeout: float) -> list:
+    """Wait up to `timeout` s for these processes to exit; return those still running. A zombie has exited: a
+    worker whose engine core is gone is reparented to init, which here reaped it only 1-2 s later."""
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while True:
+        left = []
+        for process in processes:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if process.status() != psutil.STATUS_ZOMBIE:
+                    left.append(process)
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.02)
+
+
 def stopped(processes: list) -> list:
     """Those of these processes that are stopped (SIGSTOP, SIGTSTP): alive, but they will never answer."""
     import psutil

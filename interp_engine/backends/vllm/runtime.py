@@ -8,7 +8,6 @@ that fails releases its table in the workers, so nothing outlives the call.
 import collections
 import contextlib
 import dataclasses
-import gc
 import os
 import threading
 import uuid
@@ -26,7 +25,7 @@ from interp_engine.backends.vllm import compat, engine, wire
 from interp_engine.backends.vllm.capabilities import for_handle
 from interp_engine.backends.vllm.compat import resource_tracker_pid
 from interp_engine.backends.vllm.life import EngineLife, shut_down_error
-from interp_engine.backends.vllm.procs import close_children, deferred_interrupt, environ, running
+from interp_engine.backends.vllm.procs import close_children, deferred_interrupt, environ, exited, running
 from interp_engine.backends.vllm.wire import assemble, flatten
 from interp_engine.errors import BackendError, LoadError, fix
 from interp_engine.inputs import Prompts
@@ -127,8 +126,6 @@ class VllmRuntime(TokenizerRuntime):
                     del _LIVE[self.name]
         if llm is None:
             return
-        import psutil
-
         procs, self._procs = self._procs, []
         life, self._life = self._life, None
         self._epoch += 1
@@ -141,13 +138,13 @@ class VllmRuntime(TokenizerRuntime):
             with life.send_lock if life is not None else contextlib.nullcontext():  # no message half sent
                 compat.shutdown(llm)
         finally:
+            # No gc.collect(): a full collection of a process holding vLLM, torch and transformers took 1-3 s
+            # here, and the soak run (benchmarks/soak.py) shows no descriptor or memory growth without it.
             del llm
-            gc.collect()
             close_children({p.pid for p in procs}, grace)
-            _, alive = psutil.wait_procs(procs, timeout=grace)
-            for process in alive:
+            for process in exited(procs, grace):
                 process.kill()
-            psutil.wait_procs(alive, timeout=5)
+                exited([process], 5)
             if life is not None:
                 life.release()
 
