@@ -100,7 +100,7 @@ class AttentionSite:
             out, weights = eager_pattern(
                 query, key, value, attention_mask, scaling=kwargs.get("scaling"), softcap=kwargs.get("softcap"),
                 touch_scores=lambda s, present: run.touch(scores, s, present),
-                touch_probs=lambda p: run.touch(probs, p),
+                touch_probs=lambda p: run.touch(probs, p), sinks=kwargs.get("s_aux"),
             )
         else:
             out, weights = base(module, query, key, value, attention_mask, **kwargs)
@@ -134,8 +134,7 @@ class Router:
     """A sparse MLP's gate, and how the experts choose from its logits (to choose again after an edit)."""
 
     gate: torch.nn.Module
-    top_k: int
-    renormalize: bool
+    routing: tuple[int, bool, bool]  # route()'s arguments after the logits
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +153,7 @@ class Layout:
             return layer.get_submodule(path) if path is not None else None
 
         moe, config = arch.moe, model.config
-        router = lambda layer: moe and Router(layer.get_submodule(moe.router), *moe.routing(config))  # noqa: E731
+        router = lambda layer: moe and Router(layer.get_submodule(moe.router), moe.routing(config))  # noqa: E731
         blocks = tuple(Block(layer, *(at(layer, p) for p in (arch.attention, arch.attn_out, arch.mlp_down,
                                                                arch.mlp_out, arch.mid_norm)), router(layer) or None)
                        for layer in (layers[i] for i in range(n_layers)))
@@ -283,7 +282,7 @@ def _router_hooks(block: Block, i: int, run: Run) -> list:
         x = logits.view(*shape, logits.shape[-1])
         edited = run.touch(at, x)
         flat = edited.reshape(logits.shape)
-        chosen = tuple(out[1:]) if edited is x else route(flat, router.top_k, router.renormalize)
+        chosen = tuple(out[1:]) if edited is x else route(flat, *router.routing)
         if run.wants(weights_at):
             run.touch(weights_at, dense_weights(*chosen, logits.shape[-1]).to(x.dtype).view(x.shape))
         return None if edited is x else (flat, *chosen)
