@@ -102,17 +102,20 @@ def _experts_by_hand(layer, resid_mid, router_logits, expert_weights, config):
             weights = weights / weights.sum(-1, keepdim=True)
     dense = torch.zeros_like(router_logits).scatter(-1, chosen, weights)
     _close(dense, expert_weights)
-    experts, out = layer.mlp.experts, torch.zeros_like(x)
+    out = torch.zeros_like(x)
     for e in range(gate.weight.shape[0]):
-        if config.model_type == "gpt_oss":
-            gate_up = x @ experts.gate_up_proj[e] + experts.gate_up_proj_bias[e]
-            g, u = gate_up[..., ::2].clamp(max=experts.limit), gate_up[..., 1::2].clamp(-experts.limit, experts.limit)
-            y = ((u + 1) * g * torch.sigmoid(g * experts.alpha)) @ experts.down_proj[e] + experts.down_proj_bias[e]
-        else:
-            g, u = (x @ experts.gate_up_proj[e].T).chunk(2, dim=-1)
-            y = (torch.nn.functional.silu(g) * u) @ experts.down_proj[e].T
-        out += y * dense[..., e:e + 1]
+        out += _expert_by_hand(layer.mlp.experts, x, e, config) * dense[..., e:e + 1]
     return out
+
+
+def _expert_by_hand(experts, x, e, config):
+    """Expert e's output from its weights (GPT-OSS: a clamped SwiGLU with biases, gate and up interleaved)."""
+    if config.model_type == "gpt_oss":
+        gate_up = x @ experts.gate_up_proj[e] + experts.gate_up_proj_bias[e]
+        g, u = gate_up[..., ::2].clamp(max=experts.limit), gate_up[..., 1::2].clamp(-experts.limit, experts.limit)
+        return ((u + 1) * g * torch.sigmoid(g * experts.alpha)) @ experts.down_proj[e] + experts.down_proj_bias[e]
+    g, u = (x @ experts.gate_up_proj[e].T).chunk(2, dim=-1)
+    return (torch.nn.functional.silu(g) * u) @ experts.down_proj[e].T
 
 
 def test_moe_points_match_hf_own_router_and_mlp(eager, hf_reference):
@@ -142,3 +145,32 @@ def test_moe_points_match_hf_own_router_and_mlp(eager, hf_reference):
             dense = torch.zeros_like(logits).scatter(-1, chosen, weights.to(logits.dtype))
             _close(cache[f"expert_weights.{i}"], dense.view(shape))
             _close(cache[f"mlp_out.{i}"], seen[("mlp", i)])
+
+
+def test_expert_out_is_each_chosen_expert_in_the_routers_order(eager, hf_reference):
+    """expert_out[..., j, :] is the j-th expert HF's own router chose (hooked on a model interp_engine never
+    touched), redone from that expert's weights; weighted by expert_weights and summed it is mlp_out (none of
+    these families has shared experts), in a ragged batch too."""
+    for family in ("qwen3_moe", "mixtral", "gpt_oss"):
+        model, ref = eager(family), hf_reference(family)
+        i, k = model.n_layers - 1, ref.config.num_experts_per_tok
+        tokens = model.to_tokens(PROMPTS[0])
+        cache = capture(model, tokens, [f"expert_out.{i}", f"resid_mid.{i}"])
+        layer, seen = ref.get_submodule(model.arch.layers)[i], {}
+        hook = layer.get_submodule(model.arch.moe.router).register_forward_hook(
+            lambda m, a, o: seen.__setitem__("chosen", o[2]))
+        try:
+            with torch.inference_mode():
+                ref(tokens)
+        finally:
+            hook.remove()
+        out, chosen = cache[f"expert_out.{i}"][0], seen["chosen"]
+        assert out.shape == (tokens.shape[1], k, model.d_model)
+        with torch.inference_mode():
+            x = layer.post_attention_layernorm(cache[f"resid_mid.{i}"][0])
+            for j in range(k):
+                _close(out[:, j], torch.stack([_expert_by_hand(layer.mlp.experts, x[p], int(chosen[p, j]), ref.config)
+                                               for p in range(len(x))]))
+        ragged = capture(model, PROMPTS[:2], [f"expert_out.{i}", f"expert_weights.{i}", f"mlp_out.{i}"])
+        weights = ragged[f"expert_weights.{i}"].topk(k, dim=-1).values  # sorted: the router's order
+        _close((ragged[f"expert_out.{i}"] * weights[..., None]).sum(2), ragged[f"mlp_out.{i}"])

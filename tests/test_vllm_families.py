@@ -64,7 +64,8 @@ def served(request, tiny_path, eager):
     family, backend = request.param
     for live in list(_LIVE.values()):  # one engine per process
         live.unload()
-    extra = dict(static_points=list(eager(family).points()), static_writes=_writes(family)) if backend == "vllm-static" else {}
+    static_points = [a for a in eager(family).points() if not a.info.eager_only_read]  # expert_out: eager only
+    extra = dict(static_points=static_points, static_writes=_writes(family)) if backend == "vllm-static" else {}
     with no_child_survives():
         model = load_model(str(tiny_path(family)), backend=backend, **extra)
         asyncio.run(model.warmup())

@@ -45,6 +45,7 @@ class Moe:
     renormalize: str | bool
     top_k_key: str = "num_experts_per_tok"
     top_k_first: bool = False
+    experts: str = "mlp.experts"  # relative to a layer: the experts module, forward(rows, top-k ids, top-k weights)
 
     def routing(self, config) -> tuple[int, bool, bool]:
         """(top k, renormalised, top k first) as this config sets them: `route`'s arguments."""
@@ -121,7 +122,7 @@ class Arch:
         return None
 
 
-MOE_POINTS = ("router_logits", "expert_weights")
+MOE_POINTS = ("router_logits", "expert_weights", "expert_out")
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +136,7 @@ class Dims:
     d_vocab: int
     max_len: int
     n_experts: int = 0  # routed experts per layer; 0: a dense model
+    top_k: int = 0  # experts each token is routed to; 0: a dense model
 
 
 # The sizes read_dims takes from config.json, each a whole number of at least 1 when present (the first four
@@ -180,6 +182,7 @@ def read_dims(config, arch: Arch) -> Dims:
         d_vocab=config.vocab_size,
         max_len=getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 2**31,
         n_experts=getattr(config, arch.moe.n_experts_key) if arch.moe is not None else 0,
+        top_k=getattr(config, arch.moe.top_k_key) if arch.moe is not None else 0,
     )
 
 
