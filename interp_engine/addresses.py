@@ -21,6 +21,7 @@ class PointInfo:
     eager_only_write: bool = False
     needs_eager_attention: bool = False
     read_only: bool = False  # derived from another point, never written (write that one instead)
+    eager_only_read: bool = False  # read on eager only (vLLM's fused kernels never form it)
 
     @property
     def head_axis(self) -> int | None:
@@ -54,6 +55,7 @@ POINTS: dict[str, PointInfo] = {
         PointInfo("mlp_out", _RESID),
         PointInfo("router_logits", ("batch", "pos", "n_experts")),
         PointInfo("expert_weights", ("batch", "pos", "n_experts"), read_only=True),
+        PointInfo("expert_out", ("batch", "pos", "top_k", "d_model"), read_only=True, eager_only_read=True),
         PointInfo("resid_post", _RESID),
         PointInfo("final", _RESID, layered=False),
         PointInfo("logits", ("batch", "pos", "d_vocab"), layered=False, eager_only_write=True),

@@ -42,6 +42,11 @@ class Taps:
         if eager_only:
             raise SpecError(fix(f"static_writes={eager_only}: these points can be written only on the eager backend.",
                                 "drop them from static_writes; edit them with backend=\"eager\"."))
+        eager_reads = [str(a) for a in reads if a.info.eager_only_read]
+        if eager_reads:
+            raise SpecError(fix(f"static_points={eager_reads}: these points are read on the eager backend only "
+                                "(vLLM's fused kernels never form them).",
+                                "drop them from static_points; read them with backend=\"eager\"."))
         return cls(tuple(a for a in reads if a not in ALWAYS), writes)
 
     def buffers(self) -> tuple[Address, ...]:

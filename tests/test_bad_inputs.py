@@ -226,12 +226,28 @@ MOE_REQUESTS = [
                  ("expert_weights.0 is read-only", "write router_logits.0"), id="expert-weights-written"),
     pytest.param("qwen3_moe", lambda m: steer(m, _tokens(m), S.Add("router_logits.0", torch.ones(4))), SpecError,
                  ("router_logits holds (8,) per position",), id="router-vector-of-the-wrong-width"),
+    pytest.param("llama", lambda m: capture(m, _tokens(m), ["expert_out.0"]), PointError,
+                 ("expert_out.0 does not exist", "gpt_oss, mixtral, qwen3_moe"), id="expert-out-on-dense"),
+    pytest.param("gpt_oss", lambda m: steer(m, _tokens(m), S.Scale("expert_out.1", 2.0)), SpecError,
+                 ("expert_out.1 is read-only", "write router_logits.1", "mlp_out.1"), id="expert-out-written"),
 ]
 
 
 @pytest.mark.parametrize("family, call, error, fragments", MOE_REQUESTS)
 def test_bad_moe_request_refused_before_forward(eager, family, call, error, fragments):
     assert_refused(eager(family), call, error, *fragments)
+
+
+@requires("vllm")
+def test_expert_out_on_vllm_is_refused_naming_eager_before_the_engine_starts(tiny_path):
+    model = load_model(str(tiny_path("qwen3_moe")), backend="vllm", max_model_len=64)
+    assert "expert_out" not in {a.point for a in model.points()} and "expert_weights" in {a.point for a in model.points()}
+    with pytest.raises(BackendError, match=r'(?s)expert_out.0 is read on the eager backend only.*Fix: .*'
+                                           r'backend="eager".*mlp_out'):
+        capture(model, PROMPT, ["mlp_out.0", "expert_out.0"])
+    assert model.runtime.llm is None, "refused before the engine started"
+    with pytest.raises(SpecError, match=r"(?s)static_points=\['expert_out.1'\]: .*eager backend only.*Fix"):
+        load_model(str(tiny_path("qwen3_moe")), backend="vllm-static", static_points=["expert_out.1"])
 
 
 def test_a_moe_config_with_dense_layers_is_refused_at_load(tmp_path):

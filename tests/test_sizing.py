@@ -80,6 +80,7 @@ _VARIATIONS = {
     "phi3": [{"tie_word_embeddings": True}, {"num_key_value_heads": 4}],
     "qwen3_moe": [{"tie_word_embeddings": True}, {"num_experts": 4, "moe_intermediate_size": 32}],
     "mixtral": [{"tie_word_embeddings": True}, {"num_local_experts": 8}],
+    "gpt_oss": [{"num_local_experts": 8}],
 }
 _CASES = [(f, {}) for f in FAMILIES] + [(f, v) for f in FAMILIES for v in _VARIATIONS[f]]
 

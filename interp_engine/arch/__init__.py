@@ -36,24 +36,32 @@ class Moe:
     """A sparse (mixture-of-experts) MLP in every layer: where its router sits and how it chooses.
 
     The router's first output is the router logits; the experts take the softmax's top k, renormalised to sum
-    to 1 where `renormalize` says (a config key, or True for always)."""
+    to 1 where `renormalize` says (a config key, or True for always). `top_k_first`: the router takes the top k
+    of the logits and softmaxes those (GPT-OSS): the same weights as the renormalised softmax's top k, not the
+    same rounding, and a zero edit must change nothing."""
 
     router: str  # relative to a layer: the gate module
     n_experts_key: str
     renormalize: str | bool
     top_k_key: str = "num_experts_per_tok"
+    top_k_first: bool = False
+    experts: str = "mlp.experts"  # relative to a layer: the experts module, forward(rows, top-k ids, top-k weights)
 
-    def routing(self, config) -> tuple[int, bool]:
-        """(top k, renormalised) as this config sets them."""
+    def routing(self, config) -> tuple[int, bool, bool]:
+        """(top k, renormalised, top k first) as this config sets them: `route`'s arguments."""
         renormalize = self.renormalize if isinstance(self.renormalize, bool) else getattr(config, self.renormalize)
-        return getattr(config, self.top_k_key), bool(renormalize)
+        return getattr(config, self.top_k_key), bool(renormalize), self.top_k_first
 
 
-def route(logits, top_k: int, renormalize: bool):
+def route(logits, top_k: int, renormalize: bool, top_k_first: bool = False):
     """(weights, indices) of the chosen experts from router logits, as HF's routers and vLLM's top-k compute them:
-    softmax in float32, top k, renormalised to sum to 1 where the family does. One semantics for every backend."""
+    softmax in float32, top k, renormalised to sum to 1 where the family does (or the softmax of the top k
+    logits, `top_k_first`). One semantics for every backend."""
     import torch
 
+    if top_k_first:
+        values, indices = torch.topk(logits, top_k, dim=-1)
+        return torch.softmax(values, dim=-1, dtype=values.dtype), indices
     weights, indices = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -89,6 +97,7 @@ class Arch:
     positional: str = "rotary"  # "rotary" or "learned" (a position table added to the embedding)
     points: tuple[str, ...] | None = None  # the points served; None: every point (a table's family)
     moe: Moe | None = None  # a mixture-of-experts family: router_logits instead of mlp_act
+    sdpa: bool = True  # HF's implementation has an SDPA path (GPT-OSS's has none: eager attention is the default)
 
     @property
     def discovered(self) -> bool:
@@ -113,7 +122,7 @@ class Arch:
         return None
 
 
-MOE_POINTS = ("router_logits", "expert_weights")
+MOE_POINTS = ("router_logits", "expert_weights", "expert_out")
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +136,7 @@ class Dims:
     d_vocab: int
     max_len: int
     n_experts: int = 0  # routed experts per layer; 0: a dense model
+    top_k: int = 0  # experts each token is routed to; 0: a dense model
 
 
 # The sizes read_dims takes from config.json, each a whole number of at least 1 when present (the first four
@@ -172,6 +182,7 @@ def read_dims(config, arch: Arch) -> Dims:
         d_vocab=config.vocab_size,
         max_len=getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 2**31,
         n_experts=getattr(config, arch.moe.n_experts_key) if arch.moe is not None else 0,
+        top_k=getattr(config, arch.moe.top_k_key) if arch.moe is not None else 0,
     )
 
 
@@ -226,10 +237,11 @@ def moe_families() -> tuple[str, ...]:
 
 @functools.cache  # the vLLM worker asks it at every hook install (the family's routing): built once
 def _registry() -> Mapping[str, Arch]:
-    from interp_engine.arch import gemma2, gemma3, gpt2, gpt_neox, llama, mixtral, olmo2, phi, phi3, qwen3_moe
+    from interp_engine.arch import (gemma2, gemma3, gpt2, gpt_neox, gpt_oss, llama, mixtral, olmo2, phi, phi3,
+                                    qwen3_moe)
 
     table: dict[str, Arch] = {}
-    for module in (llama, gemma2, gemma3, gpt2, gpt_neox, phi, phi3, olmo2, qwen3_moe, mixtral):
+    for module in (llama, gemma2, gemma3, gpt2, gpt_neox, phi, phi3, olmo2, qwen3_moe, mixtral, gpt_oss):
         for arch in module.ARCHES:
             for model_type in arch.model_types:
                 table[model_type] = arch

@@ -47,6 +47,7 @@ class Capabilities:
     attn_implementation: str | None = None  # per handle, HF attention on eager (None: the backend's own kernels)
     taps: Taps | None = None  # per handle, on a backend that declares taps: the declared points
     served: frozenset[str] | None = None  # per handle, the points its architecture has (None: every point)
+    eager_only_reads: bool = False  # points with eager_only_read are readable (expert_out)
 
     def serves(self, verb: str) -> bool:
         return verb in self.verbs
@@ -54,6 +55,7 @@ class Capabilities:
     def can_read(self, address: Address) -> bool:
         """Whether a resolved address is readable on this handle (what `validate.plan` accepts)."""
         return (self.points and (self.patterns or not address.info.needs_eager_attention)
+                and (self.eager_only_reads or not address.info.eager_only_read)
                 and (self.served is None or address.point in self.served)
                 and (self.taps is None or address in self.taps.readable()))
 

@@ -56,8 +56,11 @@ def register(impl: str) -> str:
 
 
 def eager_pattern(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, *, scaling: float | None,
-                  softcap: float | None, touch_scores, touch_probs) -> tuple[Tensor, Tensor]:
-    """Eager attention as HF's eager functions compute it, with the scores and probs exposed to edits."""
+                  softcap: float | None, touch_scores, touch_probs, sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Eager attention as HF's eager functions compute it, with the scores and probs exposed to edits.
+
+    `sinks` (GPT-OSS: one logit per head) joins each row's softmax as an extra column that is dropped after it:
+    the sink is not a key position, so the scores and probs presented are the key positions' only."""
     n_rep = query.shape[1] // key.shape[1]
     k = key.repeat_interleave(n_rep, dim=1) if n_rep > 1 else key
     v = value.repeat_interleave(n_rep, dim=1) if n_rep > 1 else value
@@ -93,7 +96,12 @@ def eager_pattern(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None
 
     edited = touch_scores(scores, present)
     scores = edited if edited is scores else edited.masked_fill(masked, low)
-    probs = torch.nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    if sinks is None:
+        probs = torch.nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    else:
+        sink = sinks.reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1).to(scores.dtype)
+        probs = torch.nn.functional.softmax(torch.cat([scores, sink], dim=-1), dim=-1,
+                                            dtype=torch.float32)[..., :-1].to(query.dtype)
     for s in recorded:  # nothing below reads the scores (softmax keeps its output for backward, not its input)
         s.masked_fill_(masked, float("-inf"))
     probs = touch_probs(probs)

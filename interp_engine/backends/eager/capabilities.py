@@ -11,7 +11,7 @@ EAGER = Capabilities(
     patterns=True, eager_only_writes=True,
     # One call is one batched forward in this process: the batch mean is defined and Python functions run here.
     mean_ablation=True, custom_ops=True, gradients=True,
-    quantization=frozenset({"bnb-4bit", "bnb-8bit"}), vllm_engine=False, declares_taps=False,
+    quantization=frozenset({"bnb-4bit", "bnb-8bit"}), vllm_engine=False, declares_taps=False, eager_only_reads=True,
 )
 
 

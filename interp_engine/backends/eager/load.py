@@ -35,7 +35,10 @@ def load(repo_id: str, source: str, config, selection: BackendSelection, hardwar
     from interp_engine.backends.eager.runtime import EagerRuntime
 
     arch = arch_for(config, name=str(repo_id))
-    impl = attn_implementation or "sdpa"
+    impl = attn_implementation or ("sdpa" if arch.sdpa else "eager")
+    if impl == "sdpa" and not arch.sdpa:
+        raise SpecError(fix(f"HF's {arch.family} has no SDPA attention (its sinks need the eager softmax).",
+                            "drop attn_implementation= (eager is this family's default) or pass \"eager\"."))
     if impl != "eager" and impl not in ALL_ATTENTION_FUNCTIONS:
         near = difflib.get_close_matches(impl, ["eager", *ALL_ATTENTION_FUNCTIONS], n=1, cutoff=0.0)
         raise SpecError(fix(f"attn_implementation={impl!r} is not an attention implementation transformers knows.",

@@ -100,7 +100,7 @@ class AttentionSite:
             out, weights = eager_pattern(
                 query, key, value, attention_mask, scaling=kwargs.get("scaling"), softcap=kwargs.get("softcap"),
                 touch_scores=lambda s, present: run.touch(scores, s, present),
-                touch_probs=lambda p: run.touch(probs, p),
+                touch_probs=lambda p: run.touch(probs, p), sinks=kwargs.get("s_aux"),
             )
         else:
             out, weights = base(module, query, key, value, attention_mask, **kwargs)
@@ -134,8 +134,8 @@ class Router:
     """A sparse MLP's gate, and how the experts choose from its logits (to choose again after an edit)."""
 
     gate: torch.nn.Module
-    top_k: int
-    renormalize: bool
+    routing: tuple[int, bool, bool]  # route()'s arguments after the logits
+    experts: torch.nn.Module  # forward(rows, top-k ids, top-k weights) -> the weighted sum
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +154,8 @@ class Layout:
             return layer.get_submodule(path) if path is not None else None
 
         moe, config = arch.moe, model.config
-        router = lambda layer: moe and Router(layer.get_submodule(moe.router), *moe.routing(config))  # noqa: E731
+        router = lambda layer: moe and Router(layer.get_submodule(moe.router), moe.routing(config),
+                                                    layer.get_submodule(moe.experts))  # noqa: E731
         blocks = tuple(Block(layer, *(at(layer, p) for p in (arch.attention, arch.attn_out, arch.mlp_down,
                                                                arch.mlp_out, arch.mid_norm)), router(layer) or None)
                        for layer in (layers[i] for i in range(n_layers)))
@@ -228,7 +229,7 @@ def _layer_hooks(block: Block, i: int, run: Run) -> list:
     if needs_mid and not mid_via_attn:
         handles += _mid_hooks(block, i, run)
 
-    if run.wants(_at("router_logits", i)) or run.wants(_at("expert_weights", i)):
+    if any(run.wants(_at(p, i)) for p in ("router_logits", "expert_weights", "expert_out")):
         handles += _router_hooks(block, i, run)
 
     if run.wants(resid_post):
@@ -271,8 +272,9 @@ def _mid_hooks(block: Block, i: int, run: Run) -> list:
 def _router_hooks(block: Block, i: int, run: Run) -> list:
     """router_logits and expert_weights, at the gate's output: HF's routers return (logits, weights, indices)
     computed from the logits inside one forward, so an edit chooses again from the edited logits, as the router
-    would have."""
-    at, weights_at, router = _at("router_logits", i), _at("expert_weights", i), block.router
+    would have. expert_out at the experts' input: each of the k chosen experts run alone with weight 1 (the
+    experts module's own forward, k more times), in the router's top-k order."""
+    at, weights_at, out_at, router = _at("router_logits", i), _at("expert_weights", i), _at("expert_out", i), block.router
     shape: list = []
 
     def mlp_in(module, args):  # the gate sees the rows flat; the point is [batch, pos, n_experts]
@@ -283,9 +285,20 @@ def _router_hooks(block: Block, i: int, run: Run) -> list:
         x = logits.view(*shape, logits.shape[-1])
         edited = run.touch(at, x)
         flat = edited.reshape(logits.shape)
-        chosen = tuple(out[1:]) if edited is x else route(flat, router.top_k, router.renormalize)
+        chosen = tuple(out[1:]) if edited is x else route(flat, *router.routing)
         if run.wants(weights_at):
             run.touch(weights_at, dense_weights(*chosen, logits.shape[-1]).to(x.dtype).view(x.shape))
         return None if edited is x else (flat, *chosen)
 
-    return [block.mlp_out.register_forward_pre_hook(mlp_in), router.gate.register_forward_hook(gate_out)]
+    def experts_in(module, args):
+        rows, chosen = args[0], args[1]
+        ones = torch.ones_like(chosen[:, :1], dtype=rows.dtype)
+        each = [module.forward(rows, chosen[:, j:j + 1], ones) for j in range(chosen.shape[-1])]
+        run.touch(out_at, torch.stack(each, dim=1).view(*shape, chosen.shape[-1], rows.shape[-1]))
+
+    handles = [block.mlp_out.register_forward_pre_hook(mlp_in)]
+    if run.wants(at) or run.wants(weights_at):
+        handles.append(router.gate.register_forward_hook(gate_out))
+    if run.wants(out_at):
+        handles.append(router.experts.register_forward_pre_hook(experts_in))
+    return handles

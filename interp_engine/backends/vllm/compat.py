@@ -224,6 +224,11 @@ def attention_soft_cap(attention) -> float | None:
     return getattr(attention.impl, "logits_soft_cap", None) or None
 
 
+def attention_sinks(attention):
+    """GPT-OSS's per-head sink logits on this rank (the impl holds what the model passed as `sinks`), or None."""
+    return getattr(attention.impl, "sinks", None) if getattr(attention, "has_sink", False) else None
+
+
 def attention_window(attention) -> int | None:
     """The raw sliding window W (backend impls store it in their own forms; the module keeps W)."""
     return getattr(attention, "sliding_window", None) or None

@@ -18,18 +18,20 @@ def record_patterns(state, layer: int, q: Tensor, k: Tensor, attention) -> None:
     scale = compat.attention_scale(attention)
     cap = compat.attention_soft_cap(attention)
     window = compat.attention_window(attention)
+    sinks = compat.attention_sinks(attention)
     for active in state.active:
         call = active.call
         if call.error or (scores_at not in call.reads and probs_at not in call.reads):
             continue
         try:  # contained to this call (no collective in here): see WorkerCall.fail
-            _record(call, active, layer, q, k, scale, cap, window)
+            _record(call, active, layer, q, k, scale, cap, window, sinks)
         except Exception as e:
             call.fail(recording_failed(scores_at if scores_at in call.reads else probs_at, e), in_spec=False)
 
 
-def _record(call, active, layer: int, q: Tensor, k: Tensor, scale: float, cap, window) -> None:
-    """One call's pattern rows at `layer`."""
+def _record(call, active, layer: int, q: Tensor, k: Tensor, scale: float, cap, window, sinks=None) -> None:
+    """One call's pattern rows at `layer`. `sinks` (GPT-OSS) join each row's softmax as a column dropped after it,
+    as on eager (arch/gpt_oss.py)."""
     scores_at, probs_at = Address("attn_scores", layer), Address("attn_probs", layer)
     n_heads, n_kv = q.shape[1], k.shape[1]
     q_rows = q.index_select(0, active.rows).float()
@@ -50,7 +52,15 @@ def _record(call, active, layer: int, q: Tensor, k: Tensor, scale: float, cap, w
         if window:
             masked |= (q_pos[:, None] - key_pos[None, :]) >= window
         scores = scores.masked_fill(masked[:, None, :], float("-inf"))
-        for address, values in ((scores_at, scores), (probs_at, torch.softmax(scores, dim=-1))):
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:
+            if sinks.shape[0] != n_heads:
+                raise NotImplementedError(f"attention sinks of {sinks.shape[0]} heads on this rank, {n_heads} "
+                                          "gathered: GPT-OSS's patterns are recomputed at num_gpus=1 only")
+            sink = sinks.float().view(1, -1, 1).expand(*scores.shape[:-1], 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        for address, values in ((scores_at, scores), (probs_at, probs)):
             if address not in call.reads:
                 continue
             row = torch.zeros((len(q_pos), n_heads, call.width), dtype=q.dtype, device=q.device)

@@ -42,10 +42,20 @@ class Codec:
     kwargs: bool = False  # a pre-hook registered with_kwargs
 
 
+_NAMES = ("positions", "hidden_states", "residual")
+# GPT-OSS's TransformerBlock takes (hidden_states, positions, residual): told apart by the first argument's dtype
+# (positions are integers, the stream never is).
+_HIDDEN_FIRST = ("hidden_states", "positions", "residual")
+
+
+def _order(args) -> tuple[str, ...]:
+    return _HIDDEN_FIRST if args and args[0].is_floating_point() else _NAMES
+
+
 def _layer_args(args, kwargs):
-    names = ("positions", "hidden_states", "residual")
-    values = list(args) + [kwargs.get(n) for n in names[len(args):]]
-    return values[0], values[1], values[2]
+    names = _order(args)
+    values = dict(zip(names, args)) | {n: kwargs.get(n) for n in names[len(args):]}
+    return values["positions"], values["hidden_states"], values["residual"]
 
 
 def layer_positions(args, kwargs):
@@ -62,11 +72,14 @@ def _stream_in_repack(args, kwargs, out, new):
     _, _, residual = _layer_args(args, kwargs)
     # A layer that takes no residual (its input is the stream itself) gets none.
     zero = {} if residual is None else {"residual": torch.zeros_like(residual)}
-    if len(args) >= 3:
-        return (args[0], new[0], zero.get("residual"), *args[3:]), kwargs
-    if len(args) == 2:
-        return (args[0], new[0]), {**kwargs, **zero}
-    return args, {**kwargs, "hidden_states": new[0], **zero}
+    names = _order(args)[:len(args)]
+    given, kwargs = dict(zip(names, args)), dict(kwargs)
+    (given if "hidden_states" in given else kwargs)["hidden_states"] = new[0]
+    if "residual" in given:
+        given["residual"] = zero.get("residual")
+    else:
+        kwargs.update(zero)
+    return (*(given[n] for n in names), *args[3:]), kwargs
 
 
 # The decoder layer's input, forward(positions, hidden, residual): the stream is hidden + residual.

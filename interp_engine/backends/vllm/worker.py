@@ -220,8 +220,8 @@ def layout_of(runner):
     return model._ie_layout
 
 
-def routing_of(runner) -> tuple[int, bool] | None:
-    """(top k, renormalised) of a mixture-of-experts model; None for a dense one."""
+def routing_of(runner) -> tuple[int, bool, bool] | None:
+    """`route`'s arguments after the logits for a mixture-of-experts model; None for a dense one."""
     from interp_engine.arch import table_for
 
     config = compat.hf_config(runner)
@@ -229,7 +229,7 @@ def routing_of(runner) -> tuple[int, bool] | None:
     return arch.moe.routing(config) if arch is not None and arch.moe is not None else None
 
 
-def expert_weights(logits, routing: tuple[int, bool]):
+def expert_weights(logits, routing: tuple[int, bool, bool]):
     from interp_engine.arch import dense_weights, route
 
     return dense_weights(*route(logits, *routing), logits.shape[-1])
