@@ -45,8 +45,8 @@ def measure() -> dict:
             "shm_files": len(glob.glob(f"/dev/shm/interp_engine-{os.getpid()}-*"))}
 
 
-def cycle(path: str) -> float:
-    """One load / capture / shutdown; returns its seconds."""
+def cycle(path: str) -> tuple[float, float]:
+    """One load / capture / shutdown; returns its seconds and those of shutdown() alone."""
     import torch
 
     from interp_engine import capture, load_model
@@ -62,8 +62,10 @@ def cycle(path: str) -> float:
         assert cache["resid_post.0"].shape[0] == 2
         assert model.runtime.worker_status() == [{"calls": 0, "hooks": 0}]
     finally:
+        stopping = time.perf_counter()
         asyncio.run(model.shutdown())
-    return time.perf_counter() - started
+    now = time.perf_counter()
+    return now - started, now - stopping
 
 
 def check(rows: list[dict]) -> list[str]:
@@ -83,8 +85,8 @@ def soak(path: str, cycles: int, log=print) -> list[dict]:
     log(json.dumps({"cycle": 0, **start}))
     rows = []
     for i in range(1, cycles + 1):
-        seconds = cycle(path)
-        rows.append({"cycle": i, "seconds": round(seconds, 1), **measure()})
+        seconds, shutdown_s = cycle(path)
+        rows.append({"cycle": i, "seconds": round(seconds, 1), "shutdown_s": round(shutdown_s, 2), **measure()})
         log(json.dumps(rows[-1]))
     return rows
 
