@@ -141,11 +141,12 @@ class Replicas:
             except RayActorError as e:
                 if i is not None:
                     redo.append(i)
-                if r in alive:
+                if r in alive:  # its other chunks fail the same way, later
                     alive.discard(r)
-                    warnings.warn(f"harvest replica {r} was lost ({type(e).__name__}) after {finished[r]} chunks; "
-                                  f"its unfinished chunks go to the {len(alive)} left.", InterpEngineWarning,
-                                  stacklevel=2)
+                    if alive:
+                        warnings.warn(f"harvest replica {r} was lost ({type(e).__name__}) after {finished[r]} "
+                                      f"chunks; its unfinished chunks go to the {len(alive)} left.",
+                                      InterpEngineWarning, stacklevel=2)
                 if not alive:
                     raise HarvestError(fix(f"every one of the {self.replicas} harvest replicas was lost (the last: "
                                            f"{str(e).splitlines()[0]}); the finished shards are kept.",

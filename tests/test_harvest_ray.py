@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from interp_engine import InputTypeError, InterpEngineWarning, SpecError, harvest, load_model
+from interp_engine import HarvestError, InputTypeError, InterpEngineWarning, SpecError, harvest, load_model
 from tests.conftest import no_child_survives
 from tests.skips import requires
 
@@ -71,36 +71,43 @@ def _title(p: psutil.Process) -> str:
 
 
 @requires("ray")
-def test_two_replicas_write_the_files_of_one_engine_even_when_one_is_killed(cluster, tiny_path, tmp_path):
-    """fp32 eager: the folder two replicas write equals the folder of one in-process engine, byte for byte (the
-    manifest included), when one replica's actor process is SIGKILLed mid-run (after a shard of chunks from both
-    was stored): its unfinished chunks are redone by the other, and no replica outlives the harvest."""
+def test_replicas_killed_one_by_one_then_a_rerun_write_the_files_of_one_engine(cluster, tiny_path, tmp_path):
+    """fp32 eager, two replicas. One replica's actor process is SIGKILLed once a shard of chunks from both is
+    stored: the other takes over its unfinished chunks. It is SIGKILLed in turn two shards later: the run stops
+    with the finished shards kept, and a rerun (one engine, in this process) finishes the folder. The folder
+    equals the one an in-process engine writes alone, byte for byte (the manifest included); no replica outlives
+    the harvest."""
     model = load_model(str(tiny_path("llama")), backend="eager", device="cpu")
-    prompts = _prompts(2000)
-    keywords = dict(shard_tokens=2000, chunk_prompts=4, progress=False)
+    prompts = _prompts(600)
+    keywords = dict(shard_tokens=500, chunk_prompts=4, progress=False)
     harvest(model, prompts, POINTS, tmp_path / "one", **keywords)
-    assert len(_files(tmp_path / "one")) > 4  # several shards, so the order of chunks across replicas matters
+    assert len(_files(tmp_path / "one")) > 6  # several shards, so the order of chunks across replicas matters
 
-    killed: list[tuple[int, str]] = []
+    killed: list[int] = []
     manifest = tmp_path / "two" / "manifest.json"
 
-    def kill_one_midway():
+    def kill_midway(replicas: int, shard: str):
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             alive = _replicas_alive()
             text = manifest.read_text() if manifest.exists() else ""
-            if len(alive) == 2 and '"shard-00000' in text and '"complete": false' in text:
+            if len(alive) == replicas and f'"{shard}' in text and '"complete": false' in text:
                 os.kill(alive[0].pid, signal.SIGKILL)
-                killed.append((alive[0].pid, text))
-                return
+                killed.append(alive[0].pid)
+                return True
             time.sleep(0.01)
+        return False
 
-    killer = threading.Thread(target=kill_one_midway)
+    killer = threading.Thread(target=lambda: kill_midway(2, "shard-00000") and kill_midway(1, "shard-00002"))
     killer.start()
-    with pytest.warns(InterpEngineWarning, match=r"harvest replica [01] was lost \(\w+\) after [1-9]\d* chunks"):
+    with pytest.warns(InterpEngineWarning, match=r"harvest replica [01] was lost \(\w+\) after [1-9]\d* chunks; "
+                                                 r"its unfinished chunks go to the 1 left"), \
+            pytest.raises(HarvestError, match="every one of the 2 harvest replicas was lost") as stopped:
         harvest(model, prompts, POINTS, tmp_path / "two", replicas=2, **keywords)
     killer.join()
-    assert killed, "the harvest finished before a replica could be killed midway"
+    assert len(killed) == 2, "the harvest finished before both replicas could be killed midway"
+    assert "rerun the same harvest(...) into this folder" in str(stopped.value)
+    harvest(model, prompts, POINTS, tmp_path / "two", **keywords)
     assert _files(tmp_path / "two") == _files(tmp_path / "one")
     deadline = time.monotonic() + 20
     while _replicas_alive() and time.monotonic() < deadline:
