@@ -195,26 +195,33 @@ def _bundle(model: ModelHandle) -> dict:
 
 
 def _place(ray, bundle: dict, replicas: int):
-    """A placement group of one bundle per replica, or the refusal that names what the cluster lacks."""
+    """A placement group of one bundle per replica, or the refusal that names what the cluster lacks. What the
+    cluster lacks in all is refused at once; what is only busy (a previous harvest's replicas still exiting, other
+    work) is waited for, up to PLACE_TIMEOUT_S."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
     need = {k: v * replicas for k, v in bundle.items()}
-    free = ray.available_resources()
-    short = {k: v - free.get(k, 0) for k, v in need.items() if free.get(k, 0) < v}
+    total = ray.cluster_resources()
+    short = {k: v - total.get(k, 0) for k, v in need.items() if total.get(k, 0) < v}
     each = ", ".join(f"{v:g} {k}" for k, v in bundle.items())
     if short:
-        raise SpecError(fix(f"replicas={replicas} need {', '.join(f'{v:g} {k}' for k, v in need.items())} ({each} "
-                            f"each); the Ray cluster has {', '.join(f'{free.get(k, 0):g} {k}' for k in need)} free: "
-                            f"missing {', '.join(f'{v:g} {k}' for k, v in short.items())}.",
-                            f"lower replicas to at most {_fits(free, bundle)}, or add nodes to the cluster "
+        raise SpecError(fix(f"replicas={replicas} need {_listed(need)} ({each} each); the Ray cluster has "
+                            f"{_listed({k: total.get(k, 0) for k in need})} in all: missing {_listed(short)}.",
+                            f"lower replicas to at most {_fits(total, bundle)}, or add nodes to the cluster "
                             "(ray start --address=HEAD:PORT on each)."))
     group = placement_group([dict(bundle) for _ in range(replicas)], strategy="SPREAD")
     if not group.wait(timeout_seconds=PLACE_TIMEOUT_S):
         remove_placement_group(group)
-        raise SpecError(fix(f"replicas={replicas} ({each} each) cannot be placed: the cluster has the resources in "
-                            f"total, but not {each} free on one node for each replica.",
-                            "lower replicas, or add nodes that each have a replica's resources free."))
+        free = ray.available_resources()
+        raise SpecError(fix(f"replicas={replicas} ({each} each) could not be placed in {PLACE_TIMEOUT_S} s: the "
+                            f"cluster has {_listed({k: free.get(k, 0) for k in need})} free now, and a replica needs "
+                            f"{each} free on one node.", "lower replicas, wait for the cluster's other work to end, "
+                            "or add nodes that each have a replica's resources."))
     return group
+
+
+def _listed(resources: dict) -> str:
+    return ", ".join(f"{v:g} {k}" for k, v in resources.items())
 
 
 def _fits(free: dict, bundle: dict) -> int:

@@ -123,7 +123,7 @@ def test_what_cannot_run_is_refused_before_loading(cluster, tiny_path, tmp_path,
     for bad in (0, -1, True):
         with pytest.raises(InputTypeError, match=r"replicas=.* must be a positive int"):
             harvest(model, _prompts(2), POINTS, tmp_path / "bad", replicas=bad, progress=False)
-    with pytest.raises(SpecError, match=r"replicas=3 need 3 CPU \(1 CPU each\); the Ray cluster has 2 CPU free: "
+    with pytest.raises(SpecError, match=r"replicas=3 need 3 CPU \(1 CPU each\); the Ray cluster has 2 CPU in all: "
                                         r"missing 1 CPU") as e:
         harvest(model, _prompts(2), POINTS, tmp_path / "three", replicas=3, progress=False)
     assert "lower replicas to at most 2" in str(e.value)
