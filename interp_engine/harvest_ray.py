@@ -30,11 +30,11 @@ PLACE_TIMEOUT_S = 30
 class _Replica:
     """One engine in a Ray actor: loads the driver's model with the driver's load_model call."""
 
-    def __init__(self, load_call: tuple, points: tuple[str, ...], spec, store) -> None:
+    def __init__(self, load_call: tuple, points: tuple[str, ...], spec, store, batch_size: int) -> None:
         from interp_engine.loading import load_model
 
         self.model = load_model(**dict(load_call))
-        self.points, self.spec, self.store = points, spec, store
+        self.points, self.spec, self.store, self.batch_size = points, spec, store, batch_size
 
     def ready(self) -> int:
         asyncio.run(self.model.warmup())
@@ -45,7 +45,7 @@ class _Replica:
 
         planned = prepare(self.model, [list(p) for p in ids], self.spec, list(self.points), purpose="forward",
                           verb="capture")
-        ((_, rows),) = self.model.runtime.stream([planned], batch_size=32)
+        ((_, rows),) = self.model.runtime.stream([planned], batch_size=self.batch_size)
         return {str(a): t.to(self.store) for a, t in rows.items()}
 
     def close(self) -> None:
@@ -99,7 +99,8 @@ class Replicas:
             strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=r)
             self.actors.append(remote.options(
                 num_cpus=self.bundle.get("CPU", 0), num_gpus=self.bundle.get("GPU", 0), resources=extra or None,
-                max_restarts=0, max_task_retries=0, scheduling_strategy=strategy).remote(self.model.load_call, tuple(map(str, points)), spec, store))
+                max_restarts=0, max_task_retries=0, scheduling_strategy=strategy,
+            ).remote(self.model.load_call, tuple(map(str, points)), spec, store, batch_size))
         source = iter(chunks)
         alive = set(range(self.replicas))
         load, finished = [0] * self.replicas, [0] * self.replicas
@@ -115,7 +116,7 @@ class Replicas:
             while stored in results:
                 yield held.pop(stored), results.pop(stored)
                 stored += 1
-            for r in sorted(alive, key=lambda r: load[r]):  # one chunk per replica per pass keeps them even
+            for r in sorted(alive, key=lambda r: load[r]):  # each filled up to PER_REPLICA, least busy first
                 while load[r] < PER_REPLICA:
                     if redo:
                         i = redo.popleft()
