@@ -60,6 +60,8 @@ def _harvest_parser(commands) -> None:
     harvest.add_argument("--dtype", default=None, help="dtype of the stored activations (default: the model's)")
     harvest.add_argument("--shard-tokens", type=int, default=65536, help="tokens per shard, at least (65536)")
     harvest.add_argument("--chunk-prompts", type=int, default=256, help="prompts per capture call (256)")
+    harvest.add_argument("--replicas", type=int, default=None,
+                         help="engines harvesting in parallel as Ray actors (RAY_ADDRESS's cluster, else a local one)")
     harvest.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -81,7 +83,8 @@ def _harvest(args) -> int:
         return 2
     try:
         done = harvest(model, args.prompts, points, args.out, shard_tokens=args.shard_tokens, dtype=args.dtype,
-                       chunk_prompts=args.chunk_prompts, field=args.field, progress=not args.no_progress)
+                       chunk_prompts=args.chunk_prompts, field=args.field, progress=not args.no_progress,
+                       replicas=args.replicas)
     except InterpEngineError as e:
         print(f"interp-engine harvest: {e}", file=sys.stderr)
         return 2

@@ -34,6 +34,9 @@ class ModelHandle:
     cfg: ModelConfig
     runtime: Runtime = field(repr=False, compare=False)
     taps: Taps | None = None  # vllm-static: the points its engine is compiled to read and write
+    # The load_model call that made this handle, as keywords: a replicated harvest loads the same model in each
+    # replica from it (None for a handle not made by load_model).
+    load_call: tuple[tuple[str, object], ...] | None = field(default=None, repr=False, compare=False)
 
     n_layers = property(lambda self: self.dims.n_layers)
     d_model = property(lambda self: self.dims.d_model)

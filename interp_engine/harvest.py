@@ -14,6 +14,7 @@ interrupted run that resumes makes the same capture calls, and the same files, a
 """
 
 import contextlib
+import functools
 import hashlib
 import itertools
 import json
@@ -31,6 +32,7 @@ from jaxtyping import jaxtyped
 from interp_engine.addresses import Address
 from interp_engine.errors import HarvestError, InputTypeError, InterpEngineError, SpecError, fix
 from interp_engine.handle import ModelHandle
+from interp_engine.harvest_ray import Replicas, check_replicas
 from interp_engine.harvest_read import Harvest, _verified, load_harvest  # noqa: F401 (re-exported)
 from interp_engine.harvest_store import (FORMAT, MANIFEST, TMP, check_shard, read_manifest, token_digest,
                                          verify_digest, write_json, write_shard)
@@ -47,7 +49,7 @@ IDENTITY = ("format", "model", "points", "spec_fingerprint", "dtype", "shard_tok
 def harvest(model: ModelHandle, prompts: str | os.PathLike | Iterable, points: Sequence[str | Address] | str | Address,
             out_dir: str | os.PathLike, *, spec: Spec | Op | Sequence[Op] | None = None, shard_tokens: int = 65536,
             dtype: str | torch.dtype | None = None, chunk_prompts: int = 256, field: str = "text",
-            progress: bool = True) -> "Harvest":
+            progress: bool = True, replicas: int | None = None) -> "Harvest":
     """Capture `points` on every prompt and stream them to sharded safetensors files in `out_dir`.
 
     `prompts`: a text file (one prompt per line; blank lines skipped), a .jsonl file (the string under
@@ -59,10 +61,16 @@ def harvest(model: ModelHandle, prompts: str | os.PathLike | Iterable, points: S
     finished shards (after checking their prompts are the same and their files verify, digest included: one that
     does not is redone, with those after it) and resumes after them. Returns the harvest, read back lazily
     (`load_harvest`).
+
+    `replicas=R` runs R engines as Ray actors (interp_engine.harvest_ray), each loading this model with the same
+    load_model call, and writes the same folder; it joins the Ray cluster this process is connected to, or
+    RAY_ADDRESS's, or starts a local one. Without it, this process's engine harvests.
     """
     for name, value in (("shard_tokens", shard_tokens), ("chunk_prompts", chunk_prompts)):
         if isinstance(value, bool) or value < 1:
             raise InputTypeError(fix(f"{name}={value!r} must be a positive int.", f"e.g. {name}=1024."))
+    if replicas is not None:
+        check_replicas(replicas)
     out = Path(out_dir)
     addresses = _check_points(model, points)
     store = _dtype(dtype, model.dtype)
@@ -73,6 +81,20 @@ def harvest(model: ModelHandle, prompts: str | os.PathLike | Iterable, points: S
         raise SpecError(fix(f"{described} holds no prompts: there is nothing to harvest.",
                             "pass a file with one prompt per line, or a non-empty list of prompts."))
     source = itertools.chain([first], source)
+    pool = None if replicas is None else Replicas.reserve(model, replicas)  # refuses what cannot be placed
+    try:
+        stream = model.runtime.stream if pool is None else functools.partial(
+            pool.stream, points=addresses, spec=spec, store=store)
+        return _write(model, out, source, count, described, addresses, spec, store, shard_tokens, chunk_prompts,
+                      progress, stream)
+    finally:
+        if pool is not None:
+            pool.release()
+
+
+def _write(model: ModelHandle, out: Path, source: Iterator, count: int | None, described: str,
+           addresses: tuple[Address, ...], spec: Spec, store: torch.dtype, shard_tokens: int, chunk_prompts: int,
+           progress: bool, stream) -> "Harvest":
     identity = {
         "format": FORMAT,
         "model": {"name": model.name, "backend": model.backend, "dtype": str(model.dtype).removeprefix("torch."),
@@ -97,7 +119,7 @@ def harvest(model: ModelHandle, prompts: str | os.PathLike | Iterable, points: S
     # left idle during disk writes; at most one shard is in flight (memory stays bounded).
     chunks = _planned(model, source, chunk_prompts, addresses, spec, done_prompts)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="interp_engine-harvest") as writer, \
-            contextlib.closing(model.runtime.stream(chunks, batch_size=32)) as captured:
+            contextlib.closing(stream(chunks, batch_size=32)) as captured:
         pending = None
         for prompts, rows in captured:
             ids = prompts.ids

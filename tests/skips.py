@@ -13,16 +13,18 @@ REASONS = {
                     "(bitsandbytes 0.48+ runs on CPUs too)",
     "vllm-bnb": "vllm-bnb-plugin or bitsandbytes is not installed: bnb-4bit on vLLM 0.32 needs the out-of-tree "
                 "plugin (pip install --no-deps vllm-bnb-plugin bitsandbytes)",
+    "ray": "Ray is not installed: scripts/setup.sh installs it (the ray extra); replicated harvests run on it",
     "slow": "INTERP_ENGINE_SLOW=1 is not set: vllm-static's per-family compile (about 50-70 s on 2 shared cores) "
-            "of the newer families runs only with it (and in validator/comparison/run_all_models.sh)",
+            "of the newer families, and two vLLM harvest replicas on Ray (about 150 s), run only with it (and in "
+            "validator/comparison/run_all_models.sh)",
 }
 
 
 def _available(name: str) -> bool:
     if name == "cuda":
         return torch.cuda.is_available()
-    if name == "vllm":
-        return importlib.util.find_spec("vllm") is not None
+    if name in ("vllm", "ray"):
+        return importlib.util.find_spec(name) is not None
     if name == "bitsandbytes":
         return all(importlib.util.find_spec(m) is not None for m in ("bitsandbytes", "accelerate"))
     if name == "slow":

@@ -33,6 +33,10 @@ def settings(runtime) -> tuple[dict[str, Any], dict[str, str]]:
         env["VLLM_USE_AOT_COMPILE"] = "0"
     if runtime.backend in ("vllm", "vllm-static"):
         env.update(compat.engine_environ())  # the V1 model runner
+    if runtime.num_gpus > 1:
+        # vLLM picks Ray's executor by itself inside a Ray placement group (a harvest replica); the ranks of one
+        # engine stay this machine's processes unless the user asks otherwise.
+        kwargs["distributed_executor_backend"] = "mp"
     if not torch.cuda.is_available():
         kwargs.setdefault("kv_cache_memory_bytes", 1 << 30)
         if runtime.num_gpus > 1:

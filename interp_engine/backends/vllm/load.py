@@ -47,6 +47,7 @@ def load(repo_id: str, source: str, config, selection: BackendSelection, hardwar
                             "use a number in (0, 1], e.g. 0.85."))
     vllm_args.check_plain_keywords(kwargs, vllm_args.parameters(load_model))
     extra = vllm_args.check_extra(extra_vllm_kwargs, capabilities)
+    vllm_args.check_cpu_parallel(extra, hardware.cuda)
     Q.check_scheme(quantization, backend)
     Q.check_installed(quantization, backend)
     Q.check_runs(quantization, backend, selection.dtype, hardware)
