@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from interp_engine.addresses import Address
-from interp_engine.errors import SpecError, fix
+from interp_engine.errors import InterpEngineError, SpecError, fix
 from interp_engine.handle import ModelHandle
 from interp_engine.spec import Spec
 from interp_engine.warnings import InterpEngineWarning
@@ -108,6 +108,11 @@ def write_saelens(model: ModelHandle, source: Iterator, addresses: tuple[Address
                                                 fingerprint=f"interp_engine-{os.getpid()}-{id(scratch)}")
         built.save_to_disk(str(out))
         del built
+    except datasets.exceptions.DatasetGenerationError as e:
+        # A later chunk's refusal (a bad prompt) surfaces wrapped by datasets: give the caller ours, with its fix.
+        if isinstance(e.__cause__, InterpEngineError):
+            raise e.__cause__ from None
+        raise
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
         if quiet:
@@ -122,8 +127,14 @@ def write_saelens(model: ModelHandle, source: Iterator, addresses: tuple[Address
 def _windows(source: Iterator, size: int, chunk: int, tokenize, dropped: dict) -> Iterator[list[tuple[int, ...]]]:
     """Lists of up to `chunk` windows of `size` token ids, in prompt order; counts what does not fill a window."""
     held: list[tuple[int, ...]] = []
+    first = 0
     while prompts := list(itertools.islice(source, chunk)):
-        for ids in tokenize(prompts):
+        try:
+            tokenized = tokenize(prompts)
+        except InterpEngineError as e:  # it numbers prompts within the chunk: say where the chunk is
+            raise type(e)(f"harvest, prompts {first}..{first + len(prompts) - 1}: {e}") from None
+        first += len(prompts)
+        for ids in tokenized:
             n = len(ids) // size
             dropped["prompts"] += n == 0
             dropped["tokens"] += len(ids) - n * size

@@ -79,9 +79,15 @@ def test_saelens_refusals_come_before_any_forward_and_all_at_once(eager, tmp_pat
         harvest(model, [[1]], ["resid_post.0"], tmp_path / "d", format="parquet", progress=False)
     with pytest.raises(InputTypeError, match="context_size applies only"):
         harvest(model, [[1]], ["resid_post.0"], tmp_path / "e", context_size=4, progress=False)
+    # A bad prompt in a later chunk is found while datasets writes (which wraps errors): ours comes out, and
+    # nothing is left behind.
+    with pytest.raises(SpecError, match="prompts 2..3: prompt 1 has token ids outside the vocabulary"):
+        harvest(model, [[1, 2, 3]] * 3 + [[10**9, 2, 3]], ["resid_post.0"], tmp_path / "f", format="saelens",
+                context_size=3, chunk_prompts=2, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
     with warnings.catch_warnings(), pytest.raises(SpecError, match="not an empty folder"):
         harvest(model, [[1, 2]], ["resid_post.0"], tmp_path / "full", format="saelens", context_size=2,
                 progress=False)
-    assert not any(p.name.startswith(".interp_engine-saelens") for p in tmp_path.iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["full"]
