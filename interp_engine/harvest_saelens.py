@@ -12,6 +12,7 @@ counts them): a row never mixes prompts and never pads. Points with a head axis 
 d_head, as SAELens flattens them.
 """
 
+import importlib.util
 import itertools
 import os
 import shutil
@@ -38,6 +39,9 @@ def saelens_problems(model: ModelHandle, addresses: tuple[Address, ...], context
                      chosen: torch.dtype) -> list[str]:
     """Every reason this harvest cannot be written in SAELens's layout (empty: it can), before any forward."""
     problems = []
+    if importlib.util.find_spec("datasets") is None:
+        problems.append(fix('format="saelens" writes with the `datasets` package, which is not installed.',
+                            "pip install 'interp_engine[saelens]' (or pip install datasets)."))
     if isinstance(context_size, bool) or not isinstance(context_size, int) or context_size < 1:
         problems.append(fix(f'format="saelens" needs context_size, a positive int (got {context_size!r}).',
                             "pass context_size=128 (SAELens's context_size: tokens per row)."))

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from interp_engine import InputTypeError, SpecError, capture, harvest
+from interp_engine import spec as S
 from interp_engine.warnings import InterpEngineWarning
 
 datasets = pytest.importorskip("datasets", reason="the saelens extra (pip install -e '.[saelens]') is not installed")
@@ -36,14 +37,15 @@ def _load_like_saelens(path: str, hook_name: str, context_size: int, d_in: int, 
 def test_saelens_dataset_holds_captures_of_each_window_under_tl_names(eager, tmp_path):
     model = eager("llama")
     prompts = _prompts()
+    spec = S.Add("resid_post.0", torch.linspace(-1, 1, model.d_model), scale=2.0)  # read after the spec's edits
     with pytest.warns(InterpEngineWarning, match="4 tokens not harvested"):
-        harvest(model, prompts, list(POINTS), tmp_path / "acts", format="saelens", context_size=CONTEXT,
+        harvest(model, prompts, list(POINTS), tmp_path / "acts", spec=spec, format="saelens", context_size=CONTEXT,
                 chunk_prompts=2, progress=False)
 
     windows = [p[i:i + CONTEXT] for p in prompts for i in range(0, len(p) - CONTEXT + 1, CONTEXT)]
     assert len(windows) == 5
     # Windows are captured 2 at a time (chunk_prompts=2), so the reference is too: bit-identical rows.
-    chunks = [capture(model, windows[i:i + 2], list(POINTS), progress=False) for i in range(0, 5, 2)]
+    chunks = [capture(model, windows[i:i + 2], list(POINTS), spec, progress=False) for i in range(0, 5, 2)]
     on_disk = datasets.load_from_disk(str(tmp_path / "acts"))
     assert sorted(on_disk.column_names) == sorted([*POINTS.values(), "token_ids"])
     assert on_disk.features["token_ids"] == datasets.Sequence(datasets.Value("int32"), length=CONTEXT)
@@ -56,6 +58,11 @@ def test_saelens_dataset_holds_captures_of_each_window_under_tl_names(eager, tmp
         assert acts.shape == (5, CONTEXT, expected.shape[-1])
         torch.testing.assert_close(acts, expected, rtol=0, atol=0)
         assert ids.tolist() == [[float(t) for t in w] for w in windows]
+    half = harvest(model, [windows[0]], ["resid_post.1"], tmp_path / "half", spec=spec, format="saelens",
+                   context_size=CONTEXT, dtype="float16", progress=False)
+    assert half.features["blocks.1.hook_resid_post"].dtype == "float16"
+    assert torch.equal(half.with_format("torch")["blocks.1.hook_resid_post"][0],
+                       chunks[0]["resid_post.1"][0].to(torch.float16))
     stored = on_disk.data.column("token_ids")  # the Arrow column itself: formatters widen ints to int64
     assert str(stored.type.value_type) == "int32" and stored.to_pylist() == windows
 
