@@ -14,7 +14,6 @@ d_head, as SAELens flattens them.
 
 import importlib.util
 import itertools
-import os
 import shutil
 import tempfile
 import warnings
@@ -85,9 +84,9 @@ def write_saelens(model: ModelHandle, source: Iterator, addresses: tuple[Address
         raise SpecError(fix(f"no prompt has {context_size} tokens, so there is no context window to harvest.",
                             "pass a smaller context_size, or longer prompts."))
 
-    def rows(chunk: list[tuple[int, ...]]) -> dict[str, list]:
+    def rows(chunk: list[tuple[int, ...]]) -> dict:
         cache = capture(model, chunk, list(addresses), spec, progress=False)
-        out_rows = {a.tl_name: cache[a].flatten(2).to(store).numpy() for a in addresses}
+        out_rows = {a.tl_name: cache[a].flatten(2).to("cpu", store).numpy() for a in addresses}
         out_rows["token_ids"] = torch.tensor(chunk, dtype=torch.int32).numpy()
         return out_rows
 
@@ -109,7 +108,7 @@ def write_saelens(model: ModelHandle, source: Iterator, addresses: tuple[Address
     try:
         # `fingerprint` spares datasets hashing the generator (it would pickle the model to do it).
         built = datasets.Dataset.from_generator(generate, features=features, cache_dir=str(scratch),
-                                                fingerprint=f"interp_engine-{os.getpid()}-{id(scratch)}")
+                                                fingerprint=scratch.name)
         built.save_to_disk(str(out))
         del built
     except datasets.exceptions.DatasetGenerationError as e:
