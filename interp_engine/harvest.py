@@ -34,12 +34,14 @@ from interp_engine.errors import HarvestError, InputTypeError, InterpEngineError
 from interp_engine.handle import ModelHandle
 from interp_engine.harvest_ray import Replicas, check_replicas
 from interp_engine.harvest_read import Harvest, _verified, load_harvest  # noqa: F401 (re-exported)
+from interp_engine.harvest_saelens import arrow_default, saelens_problems, write_saelens
 from interp_engine.harvest_store import (FORMAT, MANIFEST, TMP, check_shard, read_manifest, token_digest,
                                          verify_digest, write_json, write_shard)
 from interp_engine.progress import bar as progress_bar
 from interp_engine.spec import FLOAT_DTYPES, Op, Spec, as_spec
 from interp_engine.warnings import InterpEngineWarning
 
+__all__ = ["harvest", "Harvest", "load_harvest"]
 _END = object()
 # Settings a resumed run must share with the run that wrote the folder (anything else changes the files).
 IDENTITY = ("format", "model", "points", "spec_fingerprint", "dtype", "shard_tokens", "chunk_prompts")
@@ -49,7 +51,8 @@ IDENTITY = ("format", "model", "points", "spec_fingerprint", "dtype", "shard_tok
 def harvest(model: ModelHandle, prompts: str | os.PathLike | Iterable, points: Sequence[str | Address] | str | Address,
             out_dir: str | os.PathLike, *, spec: Spec | Op | Sequence[Op] | None = None, shard_tokens: int = 65536,
             dtype: str | torch.dtype | None = None, chunk_prompts: int = 256, field: str = "text",
-            progress: bool = True, replicas: int | None = None) -> "Harvest":
+            progress: bool = True, replicas: int | None = None, format: str = "safetensors",
+            context_size: int | None = None) -> Any:
     """Capture `points` on every prompt and stream them to sharded safetensors files in `out_dir`.
 
     `prompts`: a text file (one prompt per line; blank lines skipped), a .jsonl file (the string under
@@ -65,22 +68,42 @@ def harvest(model: ModelHandle, prompts: str | os.PathLike | Iterable, points: S
     `replicas=R` runs R engines as Ray actors (interp_engine.harvest_ray), each loading this model with the same
     load_model call, and writes the same folder; it joins the Ray cluster this process is connected to, or
     RAY_ADDRESS's, or starts a local one. Without it, this process's engine harvests.
+
+    `format="saelens"` writes instead the `datasets` folder SAELens's cached-activations loader reads (one column
+    per point under its TransformerLens hook name, rows of `context_size` tokens; see harvest_saelens.py) and
+    returns it as a `datasets.Dataset`; it needs the `saelens` extra and is written whole (no resume).
     """
     for name, value in (("shard_tokens", shard_tokens), ("chunk_prompts", chunk_prompts)):
         if isinstance(value, bool) or value < 1:
             raise InputTypeError(fix(f"{name}={value!r} must be a positive int.", f"e.g. {name}=1024."))
     if replicas is not None:
         check_replicas(replicas)
+    if format not in ("safetensors", "saelens"):
+        raise InputTypeError(fix(f"format={format!r} is not a harvest format.",
+                                 'use format="safetensors" (the default) or "saelens".'))
+    if format == "safetensors" and context_size is not None:
+        raise InputTypeError(fix("context_size applies only to format=\"saelens\" (safetensors rows are whole prompts).",
+                                 'drop context_size, or pass format="saelens".'))
+    if format == "saelens" and replicas is not None:
+        raise InputTypeError(fix("replicas applies only to format=\"safetensors\" (a saelens folder is written whole).",
+                                 'drop replicas, or harvest with format="safetensors".'))
     out = Path(out_dir)
     addresses = _check_points(model, points)
-    store = _dtype(dtype, model.dtype)
+    store = _dtype(dtype, arrow_default(model.dtype) if format == "saelens" else model.dtype)
     spec = as_spec(spec)
+    if format == "saelens":
+        problems = saelens_problems(model, addresses, context_size, dtype, store)
+        if problems:
+            raise SpecError("\n".join(problems))
     source, count, described = _source(prompts, field)
     first = next(source, _END)
     if first is _END:
         raise SpecError(fix(f"{described} holds no prompts: there is nothing to harvest.",
                             "pass a file with one prompt per line, or a non-empty list of prompts."))
     source = itertools.chain([first], source)
+    if format == "saelens":
+        return write_saelens(model, source, addresses, out, context_size=context_size, spec=spec, store=store,
+                             chunk_prompts=chunk_prompts, tokenize=_tokenizer(model), progress=progress)
     pool = None if replicas is None else Replicas.reserve(model, replicas)  # refuses what cannot be placed
     try:
         stream = model.runtime.stream if pool is None else functools.partial(

