@@ -40,13 +40,13 @@ def no_worker_tables_survive(request):
 
 def test_the_engine_start_leaves_the_driver_environment_as_it_was(served):
     """The variables interp_engine sets for an engine's start (the V1 runner, vllm-static's AOT switch, CPU
-    thread binding) are the engine's processes' only: the driver's are as before the start. (vLLM's own start
-    exports variables of its own; those are not ours to restore. The engine's processes rename themselves,
-    which hides their environment from /proc, so that the workers see VLLM_USE_V2_MODEL_RUNNER=0 was checked
-    by hand through collective_rpc, which needs insecure serialization.)"""
+    thread binding, the ZMQ socket folder) are the engine's processes' only: the driver's are as before the
+    start. (vLLM's own start exports variables of its own; those are not ours to restore. The engine's
+    processes rename themselves, which hides their environment from /proc, so that the workers see
+    VLLM_USE_V2_MODEL_RUNNER=0 was checked by hand through collective_rpc, which needs insecure serialization.)"""
     family, model = served
     before, after = ENVIRON[family]
-    ours = ("VLLM_USE_V2_MODEL_RUNNER", "VLLM_USE_AOT_COMPILE", "VLLM_CPU_OMP_THREADS_BIND")
+    ours = ("VLLM_USE_V2_MODEL_RUNNER", "VLLM_USE_AOT_COMPILE", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_RPC_BASE_PATH")
     assert {k: after.get(k) for k in ours} == {k: before.get(k) for k in ours}
     assert {k: os.environ.get(k) for k in ours} == {k: before.get(k) for k in ours}
     assert model.is_loaded
