@@ -12,6 +12,7 @@ token, and the fixed per-sequence state of linear-attention layers. The layouts 
 """
 
 import math
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -135,15 +136,20 @@ def _experts(config) -> int:
                  if isinstance(v := getattr(config, k, None), int)), 0)
 
 
-def layer_kinds(config, layer: int) -> frozenset[str]:
-    """The kinds of one decoder layer that `Linear.where` / `Norm.where` name."""
+def layer_kinds(config, n_layers: int) -> Counter[frozenset[str]]:
+    """How many of the decoder layers have each set of kinds that `Linear.where` / `Norm.where` name. The config
+    is read once, not per layer: a transformers config's attribute read is slow, and a config of a million layers
+    (refused by `check_fits`) took 25 s to count."""
     types = getattr(config, "layer_types", None)
-    mixer = types[layer] if types else "full_attention"
     sparse = getattr(config, "decoder_sparse_step", 1) or 1
-    moe = (_experts(config) > 0 and layer >= (getattr(config, "first_k_dense_replace", 0) or 0)
-           and layer not in (getattr(config, "mlp_only_layers", None) or ()) and (layer + 1) % sparse == 0)
-    return frozenset({"all", "moe" if moe else "dense", "linear_attention" if mixer == "linear_attention"
-                      else "attention", "q_lora" if getattr(config, "q_lora_rank", None) else "no_q_lora"})
+    experts, first_moe = _experts(config) > 0, getattr(config, "first_k_dense_replace", 0) or 0
+    dense_only = set(getattr(config, "mlp_only_layers", None) or ())
+    q_lora = "q_lora" if getattr(config, "q_lora_rank", None) else "no_q_lora"
+    kinds: Counter[tuple[bool, bool]] = Counter(
+        (experts and layer >= first_moe and layer not in dense_only and (layer + 1) % sparse == 0,
+         bool(types) and types[layer] == "linear_attention") for layer in range(n_layers))
+    return Counter({frozenset({"all", "moe" if moe else "dense", "linear_attention" if linear else "attention",
+                               q_lora}): n for (moe, linear), n in kinds.items()})
 
 
 def widths(config, d: Dims) -> dict[str, int]:
@@ -174,21 +180,24 @@ def count_params(config: Any) -> ParamCount:
     config = to_config(config)
     layout, d = LAYOUTS[config.model_type], read_sizes(config)
     width, top_k = widths(config, d), getattr(config, "num_experts_per_tok", 0) or 0
-    kinds = [layer_kinds(config, i) for i in range(d.n_layers)]
+    kinds = layer_kinds(config, d.n_layers)
+    # (d_in, d_out, bias, matrices per layer, routed, replicated, layers): one entry per kind of layer
     linears = [(width[lin.d_in], width[lin.d_out], _flag(config, lin.bias), width[lin.times] if lin.times else 1,
-                lin.times is not None, lin.replicated) for k in kinds for lin in layout.linears if lin.where in k]
-    norms = sum(width[n.width] * (1 + n.bias) for k in kinds for n in layout.norms
+                lin.times is not None, lin.replicated, c) for k, c in kinds.items() for lin in layout.linears
+               if lin.where in k]
+    norms = sum(width[n.width] * (1 + n.bias) * c for k, c in kinds.items() for n in layout.norms
                 if n.where in k and (n.when is None or _flag(config, n.when)))
     embeddings = d.d_vocab * d.d_model * (2 - bool(getattr(config, "tie_word_embeddings", False)))
-    routed = sum(i * o * n for i, o, _, n, is_routed, _ in linears if is_routed)
+    routed = sum(i * o * n * c for i, o, _, n, is_routed, _, c in linears if is_routed)
     return ParamCount(
-        linear=sum(i * o * n for i, o, _, n, _, _ in linears), linear_matrices=sum(n for *_, n, _, _ in linears),
-        linear_rows=sum(o * n for _, o, _, n, _, _ in linears),
+        linear=sum(i * o * n * c for i, o, _, n, _, _, c in linears),
+        linear_matrices=sum(n * c for *_, n, _, _, c in linears),
+        linear_rows=sum(o * n * c for _, o, _, n, _, _, c in linears),
         norms=norms + width[layout.final_norm.width] * (1 + layout.final_norm.bias),
         rest=embeddings + d.d_vocab * layout.lm_head_bias + d.max_len * d.d_model * layout.learned_positions
-        + sum(o * n for _, o, bias, n, _, _ in linears if bias),
+        + sum(o * n * c for _, o, bias, n, _, _, c in linears if bias),
         routed=routed, active_routed=routed * top_k // max(width["n_experts"], 1),
-        replicated_linear=sum(i * o for i, o, _, _, _, rep in linears if rep),
+        replicated_linear=sum(i * o * c for i, o, _, _, _, rep, c in linears if rep),
     )
 
 
@@ -217,7 +226,7 @@ def kv_bytes_per_token(config: Any, kv_cache_dtype: str | None = None, *, dtype:
     config = to_config(config)
     d = read_sizes(config)
     size = check_kv_cache_dtype(kv_cache_dtype) or model_dtype(config, dtype).itemsize
-    layers = sum("attention" in layer_kinds(config, i) for i in range(d.n_layers))
+    layers = sum(n for kinds, n in layer_kinds(config, d.n_layers).items() if "attention" in kinds)
     if LAYOUTS[config.model_type].cache == "latent":
         return layers * (config.kv_lora_rank + config.qk_rope_head_dim) * size
     return 2 * layers * d.n_kv_heads * d.d_head * size
@@ -229,7 +238,7 @@ def state_bytes_per_sequence(config: Any, *, dtype: Any = "auto") -> int:
     mamba cache dtype "auto")."""
     config = to_config(config)
     d = read_sizes(config)
-    layers = sum("linear_attention" in layer_kinds(config, i) for i in range(d.n_layers))
+    layers = sum(n for kinds, n in layer_kinds(config, d.n_layers).items() if "linear_attention" in kinds)
     if not layers:
         return 0
     w = widths(config, d)

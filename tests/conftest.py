@@ -17,6 +17,16 @@ from interp_engine.tiny import FAMILIES, build_tiny_model
 PROMPTS = ["Hello, world! Tell me a story", "Paris is the capital of", "The quick brown fox jumps over the lazy dog."]
 _MODELS: dict = {}
 _BASELINES: dict = {}
+_MODULE_IDS: dict = {}  # key -> ids of the model's modules, to tell which models a test ran
+_RAN: set[int] = set()  # ids of the modules called since the last purity check
+
+
+def _note_call(module, args):
+    _RAN.add(id(module))
+
+
+# Global, and only ever adds an id: it leaves every module's own hook dicts empty (which the check asserts).
+torch.nn.modules.module.register_module_forward_pre_hook(_note_call)
 
 # Hypothesis' per-example deadline and too_slow check time the machine, not the code (a loaded 2-core runner
 # failed a spec round trip on them): speed is measured in benchmarks/, never asserted in tests.
@@ -64,6 +74,7 @@ def eager(tiny_path):
             handle.runtime.load()
             _MODELS[key] = handle
             _BASELINES[key] = (_param_digest(handle), _baseline_logits(handle))
+            _MODULE_IDS[key] = frozenset(id(m) for m in handle.runtime.model.modules())
         return _MODELS[key]
 
     return get
@@ -184,24 +195,52 @@ def _baseline_logits(handle) -> torch.Tensor:
         return handle.runtime.model(input_ids=ids).logits.clone()
 
 
-def assert_pure(handle, params: list[torch.Tensor], logits: torch.Tensor) -> None:
+def assert_pure(handle, params: list[torch.Tensor] | None, logits: torch.Tensor | None) -> None:
+    """No hook on any module; parameters and baseline logits bit-identical (each unless None)."""
     model = handle.runtime.model
     for name, module in model.named_modules():
         hooks = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
                  getattr(module, "_forward_hooks_with_kwargs", {}), getattr(module, "_forward_pre_hooks_with_kwargs", {}))
         assert not any(hooks), f"a hook survived on {name or 'the model'} of {handle.name}"
-    for before, after in zip(params, model.parameters()):
+    for before, after in zip(params, model.parameters(), strict=True) if params is not None else ():
         assert torch.equal(before, after), f"a parameter of {handle.name} changed"
-    assert torch.equal(_baseline_logits(handle), logits), f"baseline logits of {handle.name} changed"
+    if logits is not None:
+        assert torch.equal(_baseline_logits(handle), logits), f"baseline logits of {handle.name} changed"
 
 
 @pytest.fixture(autouse=True)
 def purity():
-    """After every test: no hook on any module, parameters bit-identical, baseline logits bit-identical."""
+    """After every test: no hook on any module of any loaded model; parameters and baseline logits
+    bit-identical on every model that ran since the last check (any of its modules was called). Comparing every
+    loaded model's parameters and running its baseline forward after every test was almost all of this check's
+    cost (about 13 models loaded for most of the run; 0.6 s a test on an idle machine, over 3 s on a loaded
+    one); a change to a model no test ran (a parameter edited in place, an attribute) is caught at its module's
+    end by `_purity_per_module`, which names the module."""
     yield
-    for key, handle in _MODELS.items():
-        if handle.runtime.model is not None:
-            assert_pure(handle, *_BASELINES[key])
+    ran = set(_RAN)
+    try:
+        for key, handle in _MODELS.items():
+            if handle.runtime.model is not None:
+                both = _BASELINES[key] if ran & _MODULE_IDS[key] else (None, None)
+                assert_pure(handle, *both)
+    finally:
+        _RAN.clear()  # the check's own forwards are not the next test's
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _purity_per_module(request):
+    """At the end of each test module, every loaded model checked in full, ran or not (see `purity`)."""
+    yield
+    try:
+        for key, handle in _MODELS.items():
+            if handle.runtime.model is not None:
+                try:
+                    assert_pure(handle, *_BASELINES[key])
+                except AssertionError as e:
+                    raise AssertionError(f"{str(e).splitlines()[0]}, during {request.node.nodeid}, in a test that ran "
+                                         "none of its modules") from None
+    finally:
+        _RAN.clear()
 
 
 @pytest.fixture(autouse=True)

@@ -6,8 +6,10 @@ a pytest process that already ran module-scoped vLLM fixtures, each later load w
 (zmq event fds and pipes); see the README's Reliability section."""
 
 import json
+import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from benchmarks.soak import FD_SLACK, RSS_SLACK_MB
@@ -19,8 +21,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @requires("vllm")
 def test_load_capture_shutdown_cycles_leak_nothing(tiny_path):
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--cycles", str(CYCLES),
-                          "--model", str(tiny_path("llama"))], capture_output=True, text=True, timeout=900)
+    # A temp folder of its own (short: a socket's path has at most 107 bytes): vLLM binds its ZMQ sockets at
+    # named paths under it and leaves the files behind, unless the engine's own socket folder (engine.SOCKETS)
+    # is removed at shutdown.
+    with tempfile.TemporaryDirectory(prefix="soak-") as temp:
+        out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--cycles", str(CYCLES),
+                              "--model", str(tiny_path("llama"))], capture_output=True, text=True, timeout=900,
+                             env={**os.environ, "TMPDIR": temp})
+        sockets = [p for p in Path(temp).rglob("*") if p.is_socket()]
     lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     rows, summary = [r for r in lines if "cycle" in r and r["cycle"] > 0], lines[-1]
     for row in rows:
@@ -30,3 +38,4 @@ def test_load_capture_shutdown_cycles_leak_nothing(tiny_path):
     assert summary["fd_bound"] == FD_SLACK and summary["rss_bound_mb"] == RSS_SLACK_MB
     assert summary["ok"], summary["failed"]
     assert out.returncode == 0
+    assert not sockets, f"shutdown() left vLLM's socket files: {sockets}"

@@ -40,13 +40,13 @@ def no_worker_tables_survive(request):
 
 def test_the_engine_start_leaves_the_driver_environment_as_it_was(served):
     """The variables interp_engine sets for an engine's start (the V1 runner, vllm-static's AOT switch, CPU
-    thread binding) are the engine's processes' only: the driver's are as before the start. (vLLM's own start
-    exports variables of its own; those are not ours to restore. The engine's processes rename themselves,
-    which hides their environment from /proc, so that the workers see VLLM_USE_V2_MODEL_RUNNER=0 was checked
-    by hand through collective_rpc, which needs insecure serialization.)"""
+    thread binding, the ZMQ socket folder) are the engine's processes' only: the driver's are as before the
+    start. (vLLM's own start exports variables of its own; those are not ours to restore. The engine's
+    processes rename themselves, which hides their environment from /proc, so that the workers see
+    VLLM_USE_V2_MODEL_RUNNER=0 was checked by hand through collective_rpc, which needs insecure serialization.)"""
     family, model = served
     before, after = ENVIRON[family]
-    ours = ("VLLM_USE_V2_MODEL_RUNNER", "VLLM_USE_AOT_COMPILE", "VLLM_CPU_OMP_THREADS_BIND")
+    ours = ("VLLM_USE_V2_MODEL_RUNNER", "VLLM_USE_AOT_COMPILE", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_RPC_BASE_PATH")
     assert {k: after.get(k) for k in ours} == {k: before.get(k) for k in ours}
     assert {k: os.environ.get(k) for k in ours} == {k: before.get(k) for k in ours}
     assert model.is_loaded
@@ -168,25 +168,6 @@ def test_generated_positions_capture_equals_eager(served, eager):
         _close(ours.cache[address], theirs.cache[address])
 
 
-def test_vllm_generate_is_plain_vllm(served, tiny_path, eager):
-    """vllm-generate installs nothing: greedy tokens equal eager's, capture and steering are refused."""
-    family, model = served
-    asyncio.run(model.shutdown())  # one engine per process; the module fixture reloads it lazily
-    plain = load_model(str(tiny_path(family)), backend="vllm-generate", extra_vllm_kwargs={"enforce_eager": True})
-    try:
-        out = generate(plain, PROMPTS, max_new_tokens=5, stop_at_eos=False)
-        assert out.tokens == generate(eager(family), PROMPTS, max_new_tokens=5, stop_at_eos=False).tokens
-        for call in (lambda: capture(plain, PROMPTS, ["resid_post.0"]),
-                     lambda: generate(plain, PROMPTS, S.Ablate("z.0"), max_new_tokens=2),
-                     lambda: generate(plain, PROMPTS, max_new_tokens=2, capture=["resid_post.0"])):
-            with pytest.raises(BackendError, match='backend="vllm"'):
-                call()
-        with pytest.raises(Exception, match="ie_status"):
-            plain.runtime.llm.collective_rpc("ie_status")  # no worker extension in this engine
-    finally:
-        asyncio.run(plain.shutdown())
-
-
 def test_a_steered_call_never_hands_its_kv_to_a_later_plain_call(served, eager):
     """Every request of a call with a table is salted in vLLM's prefix cache (found: without the salt, a plain
     generation after a steered one on the same prompt read the steered KV and gave other tokens)."""
@@ -211,3 +192,23 @@ def test_sae_features_clamp_and_splice_equal_eager(served, eager):
         expected = steer(reference, PROMPTS, spec, progress=False)
         assert not torch.allclose(expected, plain, atol=1e-3), f"{spec}: the edit must change the logits"
         _close(steer(model, PROMPTS, spec, progress=False), expected, str(spec))
+
+
+def test_vllm_generate_is_plain_vllm(served, tiny_path, eager):
+    """vllm-generate installs nothing: greedy tokens equal eager's, capture and steering are refused. Last in
+    the file: it shuts `served` down (one engine per process), and a later test would start it again."""
+    family, model = served
+    asyncio.run(model.shutdown())
+    plain = load_model(str(tiny_path(family)), backend="vllm-generate", extra_vllm_kwargs={"enforce_eager": True})
+    try:
+        out = generate(plain, PROMPTS, max_new_tokens=5, stop_at_eos=False)
+        assert out.tokens == generate(eager(family), PROMPTS, max_new_tokens=5, stop_at_eos=False).tokens
+        for call in (lambda: capture(plain, PROMPTS, ["resid_post.0"]),
+                     lambda: generate(plain, PROMPTS, S.Ablate("z.0"), max_new_tokens=2),
+                     lambda: generate(plain, PROMPTS, max_new_tokens=2, capture=["resid_post.0"])):
+            with pytest.raises(BackendError, match='backend="vllm"'):
+                call()
+        with pytest.raises(Exception, match="ie_status"):
+            plain.runtime.llm.collective_rpc("ie_status")  # no worker extension in this engine
+    finally:
+        asyncio.run(plain.shutdown())

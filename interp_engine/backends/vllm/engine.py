@@ -2,6 +2,8 @@
 start with (set by the driver for the start only, see `procs.environ`)."""
 
 import os
+import shutil
+import tempfile
 from typing import Any
 
 import torch
@@ -9,6 +11,7 @@ import torch
 from interp_engine.backends.vllm import compat
 
 EXTENSION = "interp_engine.backends.vllm.worker.InterpExtension"
+SOCKETS = "VLLM_RPC_BASE_PATH"  # the folder vLLM binds its ZMQ IPC sockets in
 
 
 def settings(runtime) -> tuple[dict[str, Any], dict[str, str]]:
@@ -19,6 +22,13 @@ def settings(runtime) -> tuple[dict[str, Any], dict[str, str]]:
         "dtype": str(runtime.dtype).removeprefix("torch."), "tensor_parallel_size": runtime.num_gpus, "seed": 0,
     }
     env: dict[str, str] = {}
+    base = tempfile.gettempdir()
+    # vLLM's driver, engine core and workers bind ZMQ sockets at named paths in this folder and never unlink them
+    # (libzmq removes the files of wildcard binds only): thousands piled up in /tmp. One folder per engine,
+    # removed once its processes are reaped (`remove_sockets`), takes them all; only where a socket's path (the
+    # folder, "/" and a 36-character uuid) still fits the 107 bytes a Unix socket's path may have.
+    if SOCKETS not in os.environ and len(os.fsencode(base)) + len("/ie-zmq-12345678/") + 36 <= 107:
+        env[SOCKETS] = tempfile.mkdtemp(prefix="ie-zmq-", dir=base)
     if runtime.backend == "vllm":
         # Python hooks need an uncompiled model: hooks added after torch.compile never fire.
         kwargs.update(enforce_eager=True, worker_extension_cls=EXTENSION)
@@ -47,3 +57,9 @@ def settings(runtime) -> tuple[dict[str, Any], dict[str, str]]:
                 ",".join(map(str, cores[r * per:(r + 1) * per])) for r in range(runtime.num_gpus))
     kwargs.update(user)
     return kwargs, env
+
+
+def remove_sockets(folder: str | None) -> None:
+    """Remove an engine's socket folder (from `settings`); None (the user chose the folder) leaves it."""
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from interp_engine.backends.vllm import compat, guard
+from interp_engine.backends.vllm.engine import remove_sockets
 from interp_engine.backends.vllm.procs import cpu_seconds, running, stopped
 from interp_engine.errors import BackendError, fix
 
@@ -38,8 +39,8 @@ class EngineLife:
     """An engine (vLLM's `LLM`), its processes, its watchdog and guard, and why it can serve no more calls
     (`fault`, None while it can)."""
 
-    def __init__(self, llm, procs: list, name: str):
-        self.llm, self.procs, self.name = llm, list(procs), name
+    def __init__(self, llm, procs: list, name: str, sockets: str | None = None):
+        self.llm, self.procs, self.name, self.sockets = llm, list(procs), name, sockets
         self.fault: str | None = None
         self.send_lock = threading.RLock()  # one message at a time to the engine core, probes included
         self._state = threading.Lock()
@@ -90,7 +91,8 @@ class EngineLife:
         self._thread.join(5)
 
     def release(self) -> None:
-        """After the engine's processes are reaped: the guard has nothing left to do."""
+        """After the engine's processes are reaped: the guard has nothing left to do, and no process is left to
+        use the engine's socket folder (`engine.SOCKETS`)."""
         guard_process, self._guard = self._guard, None
         if guard_process is not None:
             with contextlib.suppress(OSError):
@@ -104,6 +106,7 @@ class EngineLife:
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
+        remove_sockets(self.sockets)
 
     def error(self) -> BackendError:
         if self.fault == SHUT:

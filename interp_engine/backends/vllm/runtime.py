@@ -61,8 +61,7 @@ class VllmRuntime(TokenizerRuntime):
         self.taps = taps  # vllm-static: what the engine is compiled with
         self.capabilities = for_handle(backend, taps)
         self.dtype, self.num_gpus, self.engine_kwargs, self.tokenizer = dtype, num_gpus, dict(engine_kwargs), tokenizer
-        self.llm = None
-        self._procs: list = []
+        self.llm, self._procs, self._sockets = None, [], None  # _sockets: see engine.SOCKETS
         self._tables: dict[str, dict] = {}  # spec fingerprint -> compiled table (plain data), driver side only
         self._lock = threading.Lock()  # loading, unloading and the table cache
         # One thread talks to the engine at a time (vLLM's sync client is not thread-safe), a step or an RPC at a
@@ -99,8 +98,9 @@ class VllmRuntime(TokenizerRuntime):
                 # not Python's resource tracker, which spawn starts once per process and every later spawn reuses.
                 self._procs = [p for p in psutil.Process().children(recursive=True)
                                if p.pid not in before and p.pid != resource_tracker_pid()]
-                self._life = EngineLife(self.llm, self._procs, self.name)
+                self._life = EngineLife(self.llm, self._procs, self.name, self._sockets)
             except BaseException:
+                engine.remove_sockets(self._sockets)
                 with _LIVE_LOCK:
                     _LIVE.pop(self.name, None)
                 raise
@@ -111,6 +111,7 @@ class VllmRuntime(TokenizerRuntime):
         from vllm import LLM
 
         kwargs, env = engine.settings(self)
+        self._sockets = env.get(engine.SOCKETS)
         try:
             with environ(env):  # for the engine's start only: its processes start inside LLM() and inherit it
                 return LLM(**kwargs)

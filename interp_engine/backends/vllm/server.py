@@ -159,4 +159,7 @@ def serve(handle, vllm_argv: list[str], service_options: dict) -> None:
     args, env = engine_args(handle, vllm_argv)
     cli_env_setup()
     os.environ.update(env)  # this process is the server's: its engine's processes inherit these
-    uvloop.run(run(handle, args, service))
+    try:
+        uvloop.run(run(handle, args, service))
+    finally:
+        engine.remove_sockets(env.get(engine.SOCKETS))  # the engine's processes are gone (see `run`)
