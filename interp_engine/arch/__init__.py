@@ -88,6 +88,10 @@ class Arch:
     attn_out: str | None = None  # module whose output is what attention adds to the residual stream
     mlp_out: str | None = None  # module whose output is what the MLP adds to the residual stream
     mlp_down: str | None = None  # module whose input is mlp_act (None: a sparse MLP, see `moe`)
+    # Module whose output is mlp_pre (the gate's, for a gated MLP); None: no mlp_pre (a sparse MLP).
+    # mlp_pre_half: the first half of that output (a fused gate_up projection, gate first).
+    mlp_pre: str | None = None
+    mlp_pre_half: bool = False
     parallel: bool = False  # attention and MLP both read resid_pre (GPT-NeoX, Phi)
     mid_norm: str | None = None  # sequential blocks: the norm whose input is resid_mid (the MLP's input norm)
     d_mlp_keys: tuple[str, ...] = ("intermediate_size",)
@@ -119,6 +123,16 @@ class Arch:
                        "of its chosen experts, each with its own hidden layer.",
                        "read router_logits or expert_weights (the router's choice) or mlp_out (what the experts add "
                        "to the residual stream together).")
+        if point == "mlp_pre" and self.mlp_pre is None:
+            return fix(f"mlp_pre has no single meaning in a {self.family} model: each chosen expert has its own "
+                       "hidden layer." if self.moe is not None else
+                       f"the {self.family} table does not say where its MLP's input projection is.",
+                       "read mlp_out (what the MLP adds to the residual stream), or the router's points.")
+        if point == "attn_result" and self.moe is not None:
+            return fix(f"attn_result is not served for {self.family}: it is computed from TransformerLens-shaped "
+                       "W_O, which is not read for mixture-of-experts models.",
+                       "read z and multiply by each head's slice of self_attn.o_proj.weight (its columns "
+                       "h*d_head:(h+1)*d_head).")
         return None
 
 

@@ -14,6 +14,7 @@ ARCHES = (
         attn_out="post_attention_layernorm",
         mlp_out="post_feedforward_layernorm",
         normalization="gemma_rmsnorm",
+        mlp_pre="mlp.gate_proj",
         mlp_down="mlp.down_proj",
         mid_norm="pre_feedforward_layernorm",
         vllm=VllmLayout(

@@ -12,6 +12,7 @@ ARCHES = (
         attention="self_attn",
         attn_out="self_attn",
         mlp_out="mlp",
+        mlp_pre="mlp.gate_proj",
         mlp_down="mlp.down_proj",
         mid_norm="post_attention_layernorm",
         vllm=VllmLayout(
