@@ -53,6 +53,7 @@ POINTS: dict[str, PointInfo] = {
         PointInfo("attn_out", _RESID),
         PointInfo("resid_mid", _RESID),
         PointInfo("mlp_pre", ("batch", "pos", "d_mlp"), read_only=True, eager_only_read=True),
+        PointInfo("mlp_pre_linear", ("batch", "pos", "d_mlp"), read_only=True, eager_only_read=True),
         PointInfo("mlp_act", ("batch", "pos", "d_mlp")),
         PointInfo("mlp_out", _RESID),
         PointInfo("router_logits", ("batch", "pos", "n_experts")),
@@ -169,6 +170,7 @@ _TL_PER_LAYER: dict[str, str] = {
     "hook_attn_out": "attn_out",
     "hook_resid_mid": "resid_mid",
     "mlp.hook_pre": "mlp_pre",  # the gate's output on a gated MLP, as TL's
+    "mlp.hook_pre_linear": "mlp_pre_linear",  # the up projection's output
     "mlp.hook_post": "mlp_act",  # input of the down projection (TL: after act, times the gate's up half)
     "hook_mlp_out": "mlp_out",
     "mlp.hook_gate": "router_logits",  # TL's MoE: the gate's logits, before the softmax and top-k
@@ -190,7 +192,6 @@ _TL_NEAREST_PER_LAYER: dict[str, tuple[str, str]] = {
     "ln2.hook_scale": ("resid_mid", "a LayerNorm scale factor"),
     "ln2.hook_normalized": ("resid_mid", "the normalised input of the MLP"),
     "hook_mlp_in": ("resid_mid", "a copy of the MLP input"),
-    "mlp.hook_pre_linear": ("mlp_pre", "the up projection of a gated MLP (mlp_pre is the gate's)"),
     "mlp.hook_expert_weights": ("expert_weights", "the k chosen experts' weights (ours: every expert's, zero where "
                                 "not chosen)"),
     "mlp.hook_expert_indices": ("expert_weights", "the k chosen experts' indices (ours: nonzero where chosen)"),

@@ -33,6 +33,7 @@ _EAGER_ONLY = {
     "expert_out": ("each expert's output apart from the weighted sum", "mlp_out (their weighted sum) and expert_weights"),
     "attn_result": ("each head's output projection apart from their sum", "z (and multiply by model.W_O) or attn_out"),
     "mlp_pre": ("the MLP's pre-activation apart from the fused activation", "mlp_act"),
+    "mlp_pre_linear": ("the up projection's output apart from the fused gate_up and activation", "mlp_act"),
 }
 # Per read-only point: why it cannot be written, and the fix ({L}: the layer).
 _EXPERTS = "write router_logits.{L} to change which experts are chosen, or mlp_out.{L} to change what they add."
@@ -42,6 +43,8 @@ _READ_ONLY = {
     "attn_result": ("each head's output follows from z and W_O", "write z.{L} (one head: heads=) or attn_out.{L}."),
     "mlp_pre": ("the pre-activation is read at the input projection's output",
                 "write mlp_act.{L} (the down projection's input) or mlp_out.{L}."),
+    "mlp_pre_linear": ("the up projection's output is read at that projection",
+                       "write mlp_act.{L} (the down projection's input) or mlp_out.{L}."),
 }
 
 

@@ -1,12 +1,12 @@
-"""attn_result and mlp_pre (TransformerLens's hook_result and hook_pre) against hand-written hooks on HF models
-that interp_engine never touched."""
+"""attn_result, mlp_pre and mlp_pre_linear (TransformerLens's hook_result, hook_pre and hook_pre_linear) against
+hand-written hooks on HF models that interp_engine never touched."""
 
 import pytest
 import torch
 
 from interp_engine import capture, load_model, steer
 from interp_engine import spec as S
-from interp_engine.errors import BackendError, SpecError
+from interp_engine.errors import BackendError, PointError, SpecError
 from tests.conftest import PROMPTS
 from tests.skips import requires
 from tests.test_capture_parity import O_PROJ, POST_NORMS, _close
@@ -16,6 +16,7 @@ DENSE = ("llama", "qwen2", "gemma2", "gpt2", "gpt_neox", "phi", "olmo2", "phi3")
 # The module whose output is the MLP's pre-activation (the gate's, on a gated MLP), by hand from HF's sources;
 # phi3 fuses gate and up into one projection, gate first.
 MLP_PRE = {"gpt2": "mlp.c_fc", "gpt_neox": "mlp.dense_h_to_4h", "phi": "mlp.fc1", "phi3": "mlp.gate_up_proj"}
+GATED = ("llama", "qwen2", "gemma2", "olmo2", "phi3")
 
 
 def _head_slices(o_proj: torch.nn.Module, n_heads: int, d_head: int) -> list[torch.Tensor]:
@@ -24,16 +25,20 @@ def _head_slices(o_proj: torch.nn.Module, n_heads: int, d_head: int) -> list[tor
     return [w[h * d_head:(h + 1) * d_head] for h in range(n_heads)]
 
 
-def test_attn_result_and_mlp_pre_match_hand_written_hf_hooks(eager, hf_reference):
+def test_attn_result_mlp_pre_and_mlp_pre_linear_match_hand_written_hf_hooks(eager, hf_reference):
     for family in DENSE:
         model, ref = eager(family), hf_reference(family)
         tokens = model.to_tokens(PROMPTS[2])
         i = model.n_layers - 1
-        cache = capture(model, tokens, [f"attn_result.{i}", f"mlp_pre.{i}", f"attn_out.{i}"])
+        gated = family in GATED
+        cache = capture(model, tokens, [f"attn_result.{i}", f"mlp_pre.{i}", f"attn_out.{i}",
+                                        *([f"mlp_pre_linear.{i}", f"mlp_act.{i}"] if gated else [])])
         layer, seen = ref.get_submodule(model.arch.layers)[i], {}
         o_proj, pre = layer.get_submodule(O_PROJ[family]), layer.get_submodule(MLP_PRE.get(family, "mlp.gate_proj"))
         hooks = [o_proj.register_forward_hook(lambda m, a, o: seen.update(z=a[0], o=o)),
                  pre.register_forward_hook(lambda m, a, o: seen.update(pre=o))]
+        if gated and family != "phi3":
+            hooks.append(layer.mlp.up_proj.register_forward_hook(lambda m, a, o: seen.update(up=o)))
         try:
             with torch.inference_mode():
                 ref(tokens)
@@ -53,11 +58,16 @@ def test_attn_result_and_mlp_pre_match_hand_written_hf_hooks(eager, hf_reference
         want = seen["pre"].chunk(2, dim=-1)[0] if family == "phi3" else seen["pre"]
         assert want.shape[-1] == model.d_mlp
         _close(cache[f"mlp_pre.{i}"], want)
+        if gated:
+            _close(cache[f"mlp_pre_linear.{i}"], seen["pre"].chunk(2, dim=-1)[1] if family == "phi3" else seen["up"])
+            act = layer.mlp.activation_fn if family == "phi3" else layer.mlp.act_fn
+            with torch.inference_mode():
+                _close(act(cache[f"mlp_pre.{i}"]) * cache[f"mlp_pre_linear.{i}"], cache[f"mlp_act.{i}"])
 
 
 def test_attn_result_and_mlp_pre_in_a_ragged_batch_equal_each_prompt_alone(eager):
-    model = eager("gpt2")
-    points = ["attn_result.0", "mlp_pre.1"]
+    model = eager("phi3")  # the fused gate_up: both halves cut per row
+    points = ["attn_result.0", "mlp_pre.1", "mlp_pre_linear.1"]
     both = capture(model, PROMPTS[:2], points)
     for row, prompt in enumerate(PROMPTS[:2]):
         alone = capture(model, prompt, points)
@@ -74,6 +84,8 @@ def test_attn_result_and_mlp_pre_in_a_ragged_batch_equal_each_prompt_alone(eager
      ("mlp_pre.1 is read-only", "mlp_act.1")),
     ("mixtral", lambda m: capture(m, PROMPTS[0], ["mlp_pre.0", "attn_result.0"]), SpecError,  # both listed
      ("mlp_pre.0 does not exist", "own hidden layer", "attn_result.0 does not exist", "o_proj.weight")),
+    ("gpt2", lambda m: capture(m, PROMPTS[0], ["mlp_pre_linear.0"]), PointError,
+     ("mlp_pre_linear.0 does not exist", "one input projection", "read mlp_pre")),
 ])
 def test_new_points_refused_with_the_fix(eager, family, call, error, fragments):
     model = eager(family)

@@ -15,6 +15,7 @@ ARCHES = (
         mlp_out="post_feedforward_layernorm",
         normalization="gemma_rmsnorm",
         mlp_pre="mlp.gate_proj",
+        mlp_up="mlp.up_proj",
         mlp_down="mlp.down_proj",
         mid_norm="pre_feedforward_layernorm",
         vllm=VllmLayout(

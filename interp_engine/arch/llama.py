@@ -13,6 +13,7 @@ ARCHES = (
         attn_out="self_attn",
         mlp_out="mlp",
         mlp_pre="mlp.gate_proj",
+        mlp_up="mlp.up_proj",
         mlp_down="mlp.down_proj",
         mid_norm="post_attention_layernorm",
         vllm=VllmLayout(

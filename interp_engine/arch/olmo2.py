@@ -18,6 +18,7 @@ ARCHES = (
         attn_out="post_attention_layernorm",
         mlp_out="post_feedforward_layernorm",
         mlp_pre="mlp.gate_proj",
+        mlp_up="mlp.up_proj",
         mlp_down="mlp.down_proj",
         mid_norm="mlp",
         vllm_refusal="vLLM 0.32 has no native OLMo 2 implementation (it runs Olmo2ForCausalLM through its "

@@ -6,6 +6,8 @@ import dataclasses
 
 from interp_engine.arch import llama
 
-# Llama's module paths, in HF and in vLLM, but for mlp_pre: the gate is the first half of the fused gate_up_proj.
+# Llama's module paths, in HF and in vLLM, but for mlp_pre and mlp_pre_linear: gate and up are the halves of the
+# fused gate_up_proj's output.
 ARCHES = (dataclasses.replace(llama.ARCHES[0], family="phi3", model_types=("phi3",),
-                              mlp_pre="mlp.gate_up_proj", mlp_pre_half=True),)
+                              mlp_pre="mlp.gate_up_proj", mlp_up="mlp.gate_up_proj",
+                              mlp_pre_half=True),)

@@ -133,6 +133,7 @@ class Block:
     mid_norm: torch.nn.Module | None  # None also: a parallel block, whose resid_mid is realised through attn_out
     router: "Router | None" = None
     mlp_pre: torch.nn.Module | None = None  # its output is mlp_pre (the first half of it: Arch.mlp_pre_half)
+    mlp_up: torch.nn.Module | None = None  # its output is mlp_pre_linear (the second half: Arch.mlp_pre_half)
     mlp_pre_half: bool = False
 
 
@@ -168,7 +169,7 @@ class Layout:
                                                     layer.get_submodule(moe.experts))  # noqa: E731
         blocks = tuple(Block(layer, *(at(layer, p) for p in (arch.attention, arch.attn_out, arch.mlp_down,
                                                                arch.mlp_out, arch.mid_norm)), router(layer) or None,
-                             at(layer, arch.mlp_pre), arch.mlp_pre_half)
+                             at(layer, arch.mlp_pre), at(layer, arch.mlp_up), arch.mlp_pre_half)
                        for layer in (layers[i] for i in range(n_layers)))
         return cls(blocks, model.get_submodule(arch.final_norm), weights)
 
@@ -228,11 +229,7 @@ def _layer_hooks(block: Block, i: int, run: Run, weights: "Callable[[], Weights]
             return _with_first(out, a)
         handles.append(block.attn_out.register_forward_hook(attn_out))
 
-    mlp_pre = _at("mlp_pre", i)
-    if run.wants(mlp_pre):
-        def pre_out(module, args, out):  # read only: the MLP goes on with its own output
-            run.touch(mlp_pre, out.chunk(2, dim=-1)[0] if block.mlp_pre_half else out)
-        handles.append(block.mlp_pre.register_forward_hook(pre_out))
+    handles += _mlp_pre_hooks(block, i, run)
 
     if run.wants(mlp_act):
         def mlp_in(module, args):
@@ -252,6 +249,18 @@ def _layer_hooks(block: Block, i: int, run: Run, weights: "Callable[[], Weights]
     if run.wants(resid_post):
         handles.append(layer.register_forward_hook(
             lambda m, a, out: _with_first(out, run.touch(resid_post, _first(out)))))
+    return handles
+
+
+def _mlp_pre_hooks(block: Block, i: int, run: Run) -> list:
+    """mlp_pre and mlp_pre_linear, read (never written) at the input projections' outputs; a fused gate_up
+    projection holds both, gate first."""
+    handles = []
+    for half, (at, module) in enumerate(((_at("mlp_pre", i), block.mlp_pre), (_at("mlp_pre_linear", i), block.mlp_up))):
+        if run.wants(at):
+            def out_hook(m, args, out, at=at, half=half):
+                run.touch(at, out.chunk(2, dim=-1)[half] if block.mlp_pre_half else out)
+            handles.append(module.register_forward_hook(out_hook))
     return handles
 
 
