@@ -77,6 +77,16 @@ def test_attn_result_and_mlp_pre_in_a_ragged_batch_equal_each_prompt_alone(eager
             assert not both[p][row, n:].any(), "padding is zero"
 
 
+def test_weights_first_read_inside_a_capture_stay_usable_by_autograd(tiny_path):
+    """attn_result reads model.weights from inside capture's inference mode; GPT-NeoX's W_Q is a copy cut from
+    the fused qkv, which made there would be an inference tensor that autograd refuses."""
+    model = load_model(str(tiny_path("gpt_neox")), backend="eager")
+    capture(model, PROMPTS[0], ["attn_result.0"])
+    x = torch.ones(model.d_model, requires_grad=True)
+    (x @ model.weights.layers[0].W_Q[0]).sum().backward()
+    assert x.grad is not None and not model.weights.layers[0].W_Q.is_inference()
+
+
 @pytest.mark.parametrize("family,call,error,fragments", [
     ("llama", lambda m: steer(m, m.to_tokens(PROMPTS[0]), S.Scale("attn_result.0", 2.0)), SpecError,
      ("attn_result.0 is read-only", "write z.0")),

@@ -125,10 +125,12 @@ class Arch:
                        "read router_logits or expert_weights (the router's choice) or mlp_out (what the experts add "
                        "to the residual stream together).")
         if point == "mlp_pre" and self.mlp_pre is None:
-            return fix(f"mlp_pre has no single meaning in a {self.family} model: each chosen expert has its own "
-                       "hidden layer." if self.moe is not None else
-                       f"the {self.family} table does not say where its MLP's input projection is.",
-                       "read mlp_out (what the MLP adds to the residual stream), or the router's points.")
+            if self.moe is not None:
+                return fix(f"mlp_pre has no single meaning in a {self.family} model: each chosen expert has its own "
+                           "hidden layer.", "read router_logits or expert_out (each chosen expert's output) or "
+                           "mlp_out (what the experts add to the residual stream together).")
+            return fix(f"the {self.family} table does not say where its MLP's input projection is.",
+                       "read mlp_act (the down projection's input) or mlp_out.")
         if point == "mlp_pre_linear" and self.mlp_up is None:
             return fix(f"mlp_pre_linear is the up projection of a gated MLP; {self.family}'s MLP "
                        + ("is a mixture of experts." if self.moe is not None else

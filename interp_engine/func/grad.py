@@ -59,8 +59,8 @@ def run_with_grad(model: ModelHandle, tokens: PromptsLike, spec: Spec | Op | Seq
     if derived:
         raise SpecError(fix(f"gradients with respect to {', '.join(derived)}: read-only points are derived copies "
                             "that the forward never reads back, so their gradient would be zeros.",
-                            "take wrt= the point they are derived from (attn_result: z; mlp_pre: mlp_act; "
-                            "expert_*: router_logits or mlp_out)."))
+                            "take wrt= the point they are derived from (attn_result: z; mlp_pre, mlp_pre_linear: "
+                            "mlp_act; expert_*: router_logits or mlp_out)."))
     addresses = sorted({(w.sae.reads if isinstance(w, Features) else Address.parse(w)).resolve(model.n_layers)
                         for w in wanted})
     width = max(prompts.lengths)

@@ -155,7 +155,10 @@ class EagerRuntime(TokenizerRuntime):
     def weights(self) -> Weights:
         model = self.load()
         if self._weights is None or self._weights[0] is not model:
-            self._weights = (model, read_weights(model, self.arch, self.dims))
+            # Read outside inference mode even from inside a capture (attn_result): a cached copy made there would
+            # be an inference tensor, refused later by autograd wherever a user multiplies by it.
+            with torch.inference_mode(False):
+                self._weights = (model, read_weights(model, self.arch, self.dims))
         return self._weights[1]
 
     def unembed(self, resid: Tensor) -> Tensor:
