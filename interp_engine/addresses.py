@@ -49,8 +49,11 @@ POINTS: dict[str, PointInfo] = {
         PointInfo("attn_probs", ("batch", "n_heads", "q_pos", "k_pos"), eager_only_write=True,
                   needs_eager_attention=True),
         PointInfo("z", ("batch", "pos", "n_heads", "d_head")),
+        PointInfo("attn_result", ("batch", "pos", "n_heads", "d_model"), read_only=True, eager_only_read=True),
         PointInfo("attn_out", _RESID),
         PointInfo("resid_mid", _RESID),
+        PointInfo("mlp_pre", ("batch", "pos", "d_mlp"), read_only=True, eager_only_read=True),
+        PointInfo("mlp_pre_linear", ("batch", "pos", "d_mlp"), read_only=True, eager_only_read=True),
         PointInfo("mlp_act", ("batch", "pos", "d_mlp")),
         PointInfo("mlp_out", _RESID),
         PointInfo("router_logits", ("batch", "pos", "n_experts")),
@@ -161,10 +164,13 @@ _TL_PER_LAYER: dict[str, str] = {
     "attn.hook_k": "k", "attn.hook_rot_k": "k",
     "attn.hook_v": "v",
     "attn.hook_z": "z",
+    "attn.hook_result": "attn_result",  # both: before Gemma-2/3's and OLMo 2's post-attention norm
     "attn.hook_attn_scores": "attn_scores",  # both: pre-softmax, scaled, masked keys -inf
     "attn.hook_pattern": "attn_probs",
     "hook_attn_out": "attn_out",
     "hook_resid_mid": "resid_mid",
+    "mlp.hook_pre": "mlp_pre",  # the gate's output on a gated MLP, as TL's
+    "mlp.hook_pre_linear": "mlp_pre_linear",  # the up projection's output
     "mlp.hook_post": "mlp_act",  # input of the down projection (TL: after act, times the gate's up half)
     "hook_mlp_out": "mlp_out",
     "mlp.hook_gate": "router_logits",  # TL's MoE: the gate's logits, before the softmax and top-k
@@ -182,13 +188,10 @@ _TL_NEAREST_PER_LAYER: dict[str, tuple[str, str]] = {
     "hook_q_input": ("resid_pre", "a per-head copy of the query input"),
     "hook_k_input": ("resid_pre", "a per-head copy of the key input"),
     "hook_v_input": ("resid_pre", "a per-head copy of the value input"),
-    "attn.hook_result": ("z", "per-head outputs (z times each head's slice of W_O)"),
     "ln1_post.hook_normalized": ("attn_out", "Gemma-2's post-attention norm output (our attn_out there)"),
     "ln2.hook_scale": ("resid_mid", "a LayerNorm scale factor"),
     "ln2.hook_normalized": ("resid_mid", "the normalised input of the MLP"),
     "hook_mlp_in": ("resid_mid", "a copy of the MLP input"),
-    "mlp.hook_pre": ("mlp_act", "the MLP pre-activation"),
-    "mlp.hook_pre_linear": ("mlp_act", "the up projection of a gated MLP"),
     "mlp.hook_expert_weights": ("expert_weights", "the k chosen experts' weights (ours: every expert's, zero where "
                                 "not chosen)"),
     "mlp.hook_expert_indices": ("expert_weights", "the k chosen experts' indices (ours: nonzero where chosen)"),

@@ -28,6 +28,26 @@ def feature_shape(address: Address, dims: Dims, width: int) -> tuple[int, ...]:
     return tuple(sizes[a] for a in address.info.axes if a not in ("batch", "pos", "q_pos"))
 
 
+# Per eager-only point: what the vLLM backends never form, and what to read there instead.
+_EAGER_ONLY = {
+    "expert_out": ("each expert's output apart from the weighted sum", "mlp_out (their weighted sum) and expert_weights"),
+    "attn_result": ("each head's output projection apart from their sum", "z (and multiply by model.W_O) or attn_out"),
+    "mlp_pre": ("the MLP's pre-activation apart from the fused activation", "mlp_act"),
+    "mlp_pre_linear": ("the up projection's output apart from the fused gate_up and activation", "mlp_act"),
+}
+# Per read-only point: why it cannot be written, and the fix ({L}: the layer).
+_EXPERTS = "write router_logits.{L} to change which experts are chosen, or mlp_out.{L} to change what they add."
+_READ_ONLY = {
+    "expert_weights": ("the routing weights follow from the router's logits (softmax, top-k, renormalised)", _EXPERTS),
+    "expert_out": ("each chosen expert's output follows from mlp_out's input and the router's choice", _EXPERTS),
+    "attn_result": ("each head's output follows from z and W_O", "write z.{L} (one head: heads=) or attn_out.{L}."),
+    "mlp_pre": ("the pre-activation is read at the input projection's output",
+                "write mlp_act.{L} (the down projection's input) or mlp_out.{L}."),
+    "mlp_pre_linear": ("the up projection's output is read at that projection",
+                       "write mlp_act.{L} (the down projection's input) or mlp_out.{L}."),
+}
+
+
 def _resolve(address: Address, model, problems: list) -> Address | None:
     try:
         resolved = address.resolve(model.n_layers, model_name=model.name)
@@ -45,11 +65,10 @@ def _resolve(address: Address, model, problems: list) -> Address | None:
             f'load with load_model({model.name!r}, backend="eager", attn_implementation="eager").')))
         return None
     if resolved.info.eager_only_read and not model.capabilities.eager_only_reads:
+        never, instead = _EAGER_ONLY[resolved.point]
         problems.append(BackendError(fix(
             f"{resolved} is read on the eager backend only: {model.capabilities.backend}'s fused kernels never "
-            "form each expert's output apart from the weighted sum.",
-            f'load with load_model({model.name!r}, backend="eager"), or read mlp_out (their weighted sum) and '
-            "expert_weights here.")))
+            f"form {never}.", f'load with load_model({model.name!r}, backend="eager"), or read {instead} here.')))
         return None
     served = model.capabilities.served
     if served is not None and resolved.point not in served:
@@ -177,12 +196,8 @@ def plan(model, spec: Spec, reads: Iterable[Address], *, n_prompts: int, longest
             problems.append(SpecError(fix(f"{address} cannot be edited while generating: the pattern grows every step.",
                                 "edit q/k/v instead, or steer() the full sequence.")))
         if address.info.read_only:
-            why = ("each chosen expert's output follows from mlp_out's input and the router's choice" if
-                   address.point == "expert_out" else
-                   "the routing weights follow from the router's logits (softmax, top-k, renormalised)")
-            problems.append(SpecError(fix(f"{address} is read-only: {why}.",
-                                          f"write router_logits.{address.layer} to change which experts are chosen, "
-                                          f"or mlp_out.{address.layer} to change what they add.")))
+            why, how = _READ_ONLY[address.point]
+            problems.append(SpecError(fix(f"{address} is read-only: {why}.", how.format(L=address.layer))))
         if address.info.eager_only_write and not capabilities.eager_only_writes:
             problems.append(BackendError(fix(f"{address} can be written only on the eager backend.",
                                              'use backend="eager" to edit it.')))

@@ -198,6 +198,8 @@ GRAD_REQUESTS = [
                  ("resid_post.7 does not exist",), id="grad-wrt-out-of-range"),
     pytest.param(lambda m: run_with_grad(m, _tokens(m), loss=3, wrt=["resid_post.0"]), InputTypeError,
                  ("loss=3",), id="grad-loss-not-callable"),
+    pytest.param(lambda m: run_with_grad(m, _tokens(m), loss=lambda lg: lg.sum(), wrt=["attn_result.0", "mlp_pre.1"]),
+                 SpecError, ("attn_result.0, mlp_pre.1", "would be zeros", "attn_result: z"), id="grad-wrt-read-only"),
 ]
 
 

@@ -100,7 +100,8 @@ specs = st.lists(any_op(), max_size=5).map(lambda ops: Spec(tuple(ops)))
 @st.composite
 def valid_op(draw, *, eager: bool):
     """An op the tiny Llama accepts on this backend, for a call on PROMPTS."""
-    writable = [p for p in POINTS if (eager or not POINTS[p].eager_only_write) and not LLAMA.lacks(p)]
+    writable = [p for p in POINTS if (eager or not POINTS[p].eager_only_write) and not POINTS[p].read_only
+                and not LLAMA.lacks(p)]
     point = draw(addresses(TINY.n_layers, tuple(writable)))
     info = point.info
     where = draw(positions(SHORTEST, prompts=len(PROMPTS)))

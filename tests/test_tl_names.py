@@ -18,10 +18,13 @@ MAPPED = {
     "blocks.3.attn.hook_rot_k": "k.3",
     "blocks.3.attn.hook_v": "v.3",
     "blocks.3.attn.hook_z": "z.3",
+    "blocks.3.attn.hook_result": "attn_result.3",
     "blocks.3.attn.hook_attn_scores": "attn_scores.3",
     "blocks.3.attn.hook_pattern": "attn_probs.3",
     "blocks.3.hook_attn_out": "attn_out.3",
     "blocks.3.hook_resid_mid": "resid_mid.3",
+    "blocks.3.mlp.hook_pre": "mlp_pre.3",
+    "blocks.3.mlp.hook_pre_linear": "mlp_pre_linear.3",
     "blocks.3.mlp.hook_post": "mlp_act.3",
     "blocks.3.hook_mlp_out": "mlp_out.3",
     "blocks.3.hook_resid_post": "resid_post.3",
@@ -59,8 +62,7 @@ def test_address_stays_a_frozen_slotted_value():
 @pytest.mark.parametrize("tl, nearest", [
     ("blocks.3.ln1.hook_scale", "resid_pre.3"),
     ("blocks.3.ln2.hook_normalized", "resid_mid.3"),
-    ("blocks.0.mlp.hook_pre", "mlp_act.0"),
-    ("blocks.1.attn.hook_result", "z.1"),
+    ("blocks.0.hook_mlp_in", "resid_mid.0"),
     ("hook_pos_embed", "embed"),
     ("ln_final.hook_scale", "final"),
 ])

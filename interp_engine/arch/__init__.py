@@ -88,6 +88,11 @@ class Arch:
     attn_out: str | None = None  # module whose output is what attention adds to the residual stream
     mlp_out: str | None = None  # module whose output is what the MLP adds to the residual stream
     mlp_down: str | None = None  # module whose input is mlp_act (None: a sparse MLP, see `moe`)
+    # Module whose output is mlp_pre (the gate's, for a gated MLP); None: no mlp_pre (a sparse MLP).
+    mlp_pre: str | None = None
+    mlp_up: str | None = None  # a gated MLP's up projection, whose output is mlp_pre_linear; None: not gated
+    # A fused gate_up projection (both fields name it): mlp_pre is its output's first half, mlp_pre_linear the second.
+    mlp_pre_half: bool = False
     parallel: bool = False  # attention and MLP both read resid_pre (GPT-NeoX, Phi)
     mid_norm: str | None = None  # sequential blocks: the norm whose input is resid_mid (the MLP's input norm)
     d_mlp_keys: tuple[str, ...] = ("intermediate_size",)
@@ -119,6 +124,23 @@ class Arch:
                        "of its chosen experts, each with its own hidden layer.",
                        "read router_logits or expert_weights (the router's choice) or mlp_out (what the experts add "
                        "to the residual stream together).")
+        if point == "mlp_pre" and self.mlp_pre is None:
+            if self.moe is not None:
+                return fix(f"mlp_pre has no single meaning in a {self.family} model: each chosen expert has its own "
+                           "hidden layer.", "read router_logits or expert_out (each chosen expert's output) or "
+                           "mlp_out (what the experts add to the residual stream together).")
+            return fix(f"the {self.family} table does not say where its MLP's input projection is.",
+                       "read mlp_act (the down projection's input) or mlp_out.")
+        if point == "mlp_pre_linear" and self.mlp_up is None:
+            return fix(f"mlp_pre_linear is the up projection of a gated MLP; {self.family}'s MLP "
+                       + ("is a mixture of experts." if self.moe is not None else
+                          "has one input projection, whose output is mlp_pre."),
+                       "read mlp_pre (the pre-activation) or mlp_act (after the activation).")
+        if point == "attn_result" and self.moe is not None:
+            return fix(f"attn_result is not served for {self.family}: it is computed from TransformerLens-shaped "
+                       "W_O, which is not read for mixture-of-experts models.",
+                       "read z and multiply by each head's slice of self_attn.o_proj.weight (its columns "
+                       "h*d_head:(h+1)*d_head).")
         return None
 
 

@@ -14,6 +14,7 @@ ARCHES = (
         mlp_out="mlp",
         normalization="layernorm",
         positional="learned",
+        mlp_pre="mlp.c_fc",
         mlp_down="mlp.c_proj",
         mid_norm="ln_2",
         d_mlp_keys=("n_inner",),

@@ -17,6 +17,7 @@ ARCHES = (
         attn_out="attention",
         mlp_out="mlp",
         normalization="layernorm",
+        mlp_pre="mlp.dense_h_to_4h",
         mlp_down="mlp.dense_4h_to_h",
         parallel=True,
     ),

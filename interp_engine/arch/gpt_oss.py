@@ -17,7 +17,7 @@ from interp_engine.arch import Moe, VllmLayout, llama
 # OAIAttention at `attn` (its Attention kernel holds the sinks), MLPBlock's GateLinear router feeding FusedMoE.
 _LLAMA = llama.ARCHES[0]
 ARCHES = (dataclasses.replace(
-    _LLAMA, family="gpt_oss", model_types=("gpt_oss",), mlp_down=None,
+    _LLAMA, family="gpt_oss", model_types=("gpt_oss",), mlp_down=None, mlp_pre=None, mlp_up=None,
     moe=Moe(router="mlp.router", n_experts_key="num_local_experts", renormalize=True, top_k_first=True),
     sdpa=False,
     vllm=VllmLayout(layers="model.layers", final_norm="model.norm", attention="attn.attn", o_proj="attn.o_proj",

@@ -16,6 +16,7 @@ ARCHES = (
         attn_out="self_attn",
         mlp_out="mlp",
         normalization="layernorm",
+        mlp_pre="mlp.fc1",
         mlp_down="mlp.fc2",
         parallel=True,
     ),

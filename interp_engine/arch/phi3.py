@@ -6,5 +6,8 @@ import dataclasses
 
 from interp_engine.arch import llama
 
-# The same module paths as Llama's, in HF and in vLLM: one layout, its own family name.
-ARCHES = (dataclasses.replace(llama.ARCHES[0], family="phi3", model_types=("phi3",)),)
+# Llama's module paths, in HF and in vLLM, but for mlp_pre and mlp_pre_linear: gate and up are the halves of the
+# fused gate_up_proj's output.
+ARCHES = (dataclasses.replace(llama.ARCHES[0], family="phi3", model_types=("phi3",),
+                              mlp_pre="mlp.gate_up_proj", mlp_up="mlp.gate_up_proj",
+                              mlp_pre_half=True),)

@@ -10,6 +10,7 @@ from interp_engine.arch import Moe, llama
 # Llama's module paths (Qwen3's), in HF and in vLLM, with the sparse MLP's router where the down projection was.
 _LLAMA = llama.ARCHES[0]
 ARCHES = (dataclasses.replace(
-    _LLAMA, family="qwen3_moe", model_types=("qwen3_moe",), mlp_down=None, d_mlp_keys=("moe_intermediate_size",),
+    _LLAMA, family="qwen3_moe", model_types=("qwen3_moe",), mlp_down=None, mlp_pre=None, mlp_up=None,
+    d_mlp_keys=("moe_intermediate_size",),
     moe=Moe(router="mlp.gate", n_experts_key="num_experts", renormalize="norm_topk_prob"),
     vllm=dataclasses.replace(_LLAMA.vllm, mlp_down=None, router="mlp.gate")),)

@@ -54,6 +54,13 @@ def run_with_grad(model: ModelHandle, tokens: PromptsLike, spec: Spec | Op | Seq
                             "fold the normalisation into the weights (SAELens: fold_activation_norm_scaling_factor), "
                             "or take wrt=[sae.reads] and apply the chain rule yourself."))
     prompts, plan = prepare(model, tokens, spec, wanted, purpose="forward", verb="run_with_grad")
+    # A read-only point is a copy the forward never reads back: its gradient would be zeros, not an answer.
+    derived = [str(w) for w in wanted if not isinstance(w, Features) and Address.parse(w).info.read_only]
+    if derived:
+        raise SpecError(fix(f"gradients with respect to {', '.join(derived)}: read-only points are derived copies "
+                            "that the forward never reads back, so their gradient would be zeros.",
+                            "take wrt= the point they are derived from (attn_result: z; mlp_pre, mlp_pre_linear: "
+                            "mlp_act; expert_*: router_logits or mlp_out)."))
     addresses = sorted({(w.sae.reads if isinstance(w, Features) else Address.parse(w)).resolve(model.n_layers)
                         for w in wanted})
     width = max(prompts.lengths)

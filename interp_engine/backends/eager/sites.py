@@ -5,7 +5,7 @@ what was recorded. `installed()` registers only the hooks the run needs and remo
 """
 
 import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -17,6 +17,7 @@ from interp_engine.arch import Arch, dense_weights, route
 from interp_engine.backends.eager.attention import SITE_KW, eager_pattern
 from interp_engine.edits import Step, apply, failure
 from interp_engine.errors import InterpEngineError
+from interp_engine.weights import Weights
 
 EMBED, FINAL = Address("embed"), Address("final")
 
@@ -71,10 +72,10 @@ class Run:
 class AttentionSite:
     """Handed to our attention function through the attention module's kwargs, for one layer."""
 
-    def __init__(self, run: Run, layer: int):
-        self.run, self.layer = run, layer
-        self.q, self.k, self.v, self.z, self.scores, self.probs = (
-            _at(p, layer) for p in ("q", "k", "v", "z", "attn_scores", "attn_probs"))
+    def __init__(self, run: Run, layer: int, w_o: Callable[[], Tensor] | None = None):
+        self.run, self.layer, self.w_o = run, layer, w_o
+        self.q, self.k, self.v, self.z, self.scores, self.probs, self.result = (
+            _at(p, layer) for p in ("q", "k", "v", "z", "attn_scores", "attn_probs", "attn_result"))
 
     def _kv(self, address: Address, t: Tensor, q_len: int) -> Tensor:
         if not self.run.wants(address):
@@ -104,7 +105,11 @@ class AttentionSite:
             )
         else:
             out, weights = base(module, query, key, value, attention_mask, **kwargs)
-        return run.touch(self.z, out), weights
+        z = run.touch(self.z, out)
+        if run.wants(self.result):  # each head's z through its own rows of W_O [n_heads, d_head, d_model]
+            w_o = self.w_o()
+            run.touch(self.result, torch.einsum("bphd,hdm->bphm", z.to(w_o.dtype), w_o))
+        return z, weights
 
 
 def _first(value):
@@ -127,6 +132,9 @@ class Block:
     mlp_out: torch.nn.Module | None
     mid_norm: torch.nn.Module | None  # None also: a parallel block, whose resid_mid is realised through attn_out
     router: "Router | None" = None
+    mlp_pre: torch.nn.Module | None = None  # its output is mlp_pre (the first half of it: Arch.mlp_pre_half)
+    mlp_up: torch.nn.Module | None = None  # its output is mlp_pre_linear (the second half: Arch.mlp_pre_half)
+    mlp_pre_half: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,9 +153,12 @@ class Layout:
 
     blocks: tuple[Block, ...]
     final_norm: torch.nn.Module
+    # The model's TransformerLens-shaped weights, read when first asked (attn_result needs W_O).
+    weights: "Callable[[], Weights] | None" = None
 
     @classmethod
-    def of(cls, model: torch.nn.Module, arch: Arch, n_layers: int) -> "Layout":
+    def of(cls, model: torch.nn.Module, arch: Arch, n_layers: int,
+           weights: "Callable[[], Weights] | None" = None) -> "Layout":
         layers = model.get_submodule(arch.layers)
 
         def at(layer, path):
@@ -157,9 +168,10 @@ class Layout:
         router = lambda layer: moe and Router(layer.get_submodule(moe.router), moe.routing(config),
                                                     layer.get_submodule(moe.experts))  # noqa: E731
         blocks = tuple(Block(layer, *(at(layer, p) for p in (arch.attention, arch.attn_out, arch.mlp_down,
-                                                               arch.mlp_out, arch.mid_norm)), router(layer) or None)
+                                                               arch.mlp_out, arch.mid_norm)), router(layer) or None,
+                             at(layer, arch.mlp_pre), at(layer, arch.mlp_up), arch.mlp_pre_half)
                        for layer in (layers[i] for i in range(n_layers)))
-        return cls(blocks, model.get_submodule(arch.final_norm))
+        return cls(blocks, model.get_submodule(arch.final_norm), weights)
 
 
 @contextmanager
@@ -169,7 +181,7 @@ def installed(layout: Layout, run: Run) -> Iterator[None]:
     try:
         for i, block in enumerate(layout.blocks):
             if i in run.layers or (i == 0 and run.wants(EMBED)):
-                handles += _layer_hooks(block, i, run)
+                handles += _layer_hooks(block, i, run, layout.weights)
         if run.wants(FINAL):
             handles.append(layout.final_norm.register_forward_hook(
                 lambda m, a, out: _with_first(out, run.touch(FINAL, _first(out)))))
@@ -179,7 +191,7 @@ def installed(layout: Layout, run: Run) -> Iterator[None]:
             h.remove()
 
 
-def _layer_hooks(block: Block, i: int, run: Run) -> list:
+def _layer_hooks(block: Block, i: int, run: Run, weights: "Callable[[], Weights] | None") -> list:
     layer = block.layer
     resid_pre, attn_out_at, resid_mid, mlp_act, mlp_out_at, resid_post = (
         _at(p, i) for p in ("resid_pre", "attn_out", "resid_mid", "mlp_act", "mlp_out", "resid_post"))
@@ -201,8 +213,8 @@ def _layer_hooks(block: Block, i: int, run: Run) -> list:
             return args, {**kwargs, "hidden_states": x}
         handles.append(layer.register_forward_pre_hook(layer_in, with_kwargs=True))
 
-    if any(run.wants(_at(p, i)) for p in ("q", "k", "v", "z", "attn_scores", "attn_probs")):
-        site = AttentionSite(run, i)
+    if any(run.wants(_at(p, i)) for p in ("q", "k", "v", "z", "attn_scores", "attn_probs", "attn_result")):
+        site = AttentionSite(run, i, weights and (lambda: weights().layers[i].W_O))
         handles.append(block.attention.register_forward_pre_hook(
             lambda m, args, kwargs: (args, {**kwargs, SITE_KW: site}), with_kwargs=True))
 
@@ -216,6 +228,8 @@ def _layer_hooks(block: Block, i: int, run: Run) -> list:
                     a = a + (edited - r)
             return _with_first(out, a)
         handles.append(block.attn_out.register_forward_hook(attn_out))
+
+    handles += _mlp_pre_hooks(block, i, run)
 
     if run.wants(mlp_act):
         def mlp_in(module, args):
@@ -235,6 +249,18 @@ def _layer_hooks(block: Block, i: int, run: Run) -> list:
     if run.wants(resid_post):
         handles.append(layer.register_forward_hook(
             lambda m, a, out: _with_first(out, run.touch(resid_post, _first(out)))))
+    return handles
+
+
+def _mlp_pre_hooks(block: Block, i: int, run: Run) -> list:
+    """mlp_pre and mlp_pre_linear, read (never written) at the input projections' outputs; a fused gate_up
+    projection holds both, gate first."""
+    handles = []
+    for half, (at, module) in enumerate(((_at("mlp_pre", i), block.mlp_pre), (_at("mlp_pre_linear", i), block.mlp_up))):
+        if run.wants(at):
+            def out_hook(m, args, out, at=at, half=half):
+                run.touch(at, out.chunk(2, dim=-1)[half] if block.mlp_pre_half else out)
+            handles.append(module.register_forward_hook(out_hook))
     return handles
 
 
