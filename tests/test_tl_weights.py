@@ -12,7 +12,7 @@ from interp_engine.tiny import FAMILIES
 from tests.skips import requires
 
 _CLOSE = dict(rtol=1e-4, atol=1e-4)
-MOE = ("qwen3_moe", "mixtral")  # refused (tested below): TL's per-layer W_in/W_out have no single MoE meaning
+MOE = ("qwen3_moe", "mixtral", "gpt_oss")  # refused (tested below): TL's per-layer W_in/W_out have no single MoE meaning
 
 
 def test_weights_rebuild_the_forward_pass(eager):

@@ -153,6 +153,11 @@ def resource_tracker_pid() -> int | None:
 
 # ------------------------------------------------------------------------------------------- worker: runner
 
+def client_model_config(client):
+    """The engine client's model config (the OpenAI app is built from it)."""
+    return client.model_config
+
+
 def model(runner):
     return runner.get_model()
 

@@ -45,7 +45,7 @@ async def run(handle, args, service: serving.Service) -> None:
     async with build_async_engine_client(args) as client:
         await client.collective_rpc(serving.wire.ATTACH)  # once per engine, as offline
         serving.wrap_generate(client)
-        app = build_app(args, await client.get_supported_tasks(), client.model_config)
+        app = build_app(args, await client.get_supported_tasks(), compat.client_model_config(client))
         # Innermost: vLLM's own middleware (the API-key check first) sees a request before we parse its body.
         app.user_middleware.append(Middleware(Interp, service=service, n_layers=handle.n_layers))
         app.middleware_stack = app.build_middleware_stack()  # build_app has built it already
