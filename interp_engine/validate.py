@@ -1,7 +1,7 @@
 """Everything checked before any forward pass, every problem reported at once."""
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -18,6 +18,10 @@ class Plan:
 
     ops: dict[Address, tuple]
     reads: tuple[Address, ...]
+
+    def spec(self) -> Spec:
+        """The ops as one spec, each at its resolved address: what a vLLM call's table carries."""
+        return Spec(tuple(replace(op, point=a) for a, group in self.ops.items() for op in group))
 
 
 def feature_shape(address: Address, dims: Dims, width: int) -> tuple[int, ...]:

@@ -30,7 +30,6 @@ from interp_engine.backends.vllm.wire import assemble, flatten
 from interp_engine.errors import BackendError, LoadError, fix
 from interp_engine.inputs import Prompts
 from interp_engine.positions import at_positions
-from interp_engine.spec import Spec
 from interp_engine.taps import Taps
 from interp_engine.validate import Plan
 
@@ -310,8 +309,7 @@ class VllmRuntime(TokenizerRuntime):
     def _install(self, call: str, plan: Plan, reads: list[Address], width: int = 0,
                  lens: tuple[Address, ...] = (), prompts: int = 0) -> dict:
         """The call's table, for its first request's tag (workers adopt tables once attached: one RPC per engine)."""
-        spec = Spec(tuple(dataclasses.replace(op, point=address)
-                          for address, group in plan.ops.items() for op in group))
+        spec = plan.spec()
         key = spec.fingerprint()
         with self._lock:
             compiled = self._tables.pop(key, None) or spec.to_dict()

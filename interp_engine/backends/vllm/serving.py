@@ -103,7 +103,7 @@ class Service:
         if checked.reads and payload.get("stream"):
             raise SpecError(fix("captures come back in the whole response, not in a stream.",
                                 "send stream=false to capture; steering streams."))
-        spec = Spec(tuple(dataclasses.replace(op, point=a) for a, group in checked.ops.items() for op in group))
+        spec = checked.spec()
         call = uuid.uuid4().hex
         table = wire.table(call, spec.to_dict(), spec.fingerprint(), checked.reads)
         return Job(call, table, tuple(checked.reads), dtype)
