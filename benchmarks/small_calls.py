@@ -8,7 +8,12 @@ by round on one engine: plain vLLM prefill (each call salted afresh, so it never
 the per-call overhead (median of per-round differences against plain), the ratios, and how many calls took
 more than twice plain's median (a second, slow mode shows there). Every (run, backend) is its own process.
 
+`--backends ...,vllm-generate` adds the default engine (plain vLLM, default compilation, no taps) as a third
+process per run, timing plain prefill only: each `vllm-static` row then also carries `over_default_engine`, its
+p50 over the default engine's plain p50 in the same run (two processes: not interleaved, so noisier).
+
     python -m benchmarks.small_calls [--quick] [--runs 2] [--calls 200] [--sizes 1x16,8x16] [--out FILE]
+    python -m benchmarks.small_calls --sizes 64x32,64x128 --calls 20 --backends vllm,vllm-static,vllm-generate
 """
 
 import argparse
@@ -83,9 +88,10 @@ def one_process(backend: str, quick: bool, calls: int, sizes: list[tuple[int, in
                 "plain_prefill": lambda: llm.generate(
                     [TokensPrompt(prompt_token_ids=p, cache_salt=uuid.uuid4().hex) for p in ids], params,
                     use_tqdm=False),
-                "capture_one_point": lambda: capture(model, ids, one, progress=False),
-                "capture_resid_post_all": lambda: capture(model, ids, every, progress=False),
             }
+            if backend != "vllm-generate":  # the default engine: its plain prefill is the baseline itself
+                paths["capture_one_point"] = lambda: capture(model, ids, one, progress=False)
+                paths["capture_resid_post_all"] = lambda: capture(model, ids, every, progress=False)
             names = list(paths)
             for _ in range(3):
                 for call in paths.values():
@@ -96,7 +102,7 @@ def one_process(backend: str, quick: bool, calls: int, sizes: list[tuple[int, in
                     start = time.perf_counter()
                     paths[name]()
                     times[name].append((time.perf_counter() - start) * 1e3)
-            for path in names[1:]:
+            for path in names[1:] or names:
                 rows.append({"backend": backend, "batch": batch, "seq": seq, "path": path, **summary(times, path)})
             print(f"{backend} {batch}x{seq}: " + ", ".join(
                 f"{n} p50 {statistics.median(t):.1f} p99 {percentile(t, 0.99):.1f} ms" for n, t in times.items()),
@@ -104,6 +110,14 @@ def one_process(backend: str, quick: bool, calls: int, sizes: list[tuple[int, in
     finally:
         asyncio.run(model.shutdown())
     Path(out).write_text(json.dumps(rows))
+
+
+def against_default_engine(rows: list[dict]) -> None:
+    """Each vllm-static row's p50 over the default engine's plain p50 at its size and run, where one was timed."""
+    default = {(r["run"], r["batch"], r["seq"]): r["plain_p50_ms"] for r in rows if r["backend"] == "vllm-generate"}
+    for row in rows:
+        if row["backend"] == "vllm-static" and (key := (row["run"], row["batch"], row["seq"])) in default:
+            row["over_default_engine"] = row["p50_ms"] / default[key]
 
 
 def main() -> None:
@@ -134,13 +148,15 @@ def main() -> None:
             subprocess.run(cmd, cwd=ROOT, check=True)
             results += [{**row, "run": run} for row in json.loads(part.read_text())]
             part.unlink()
+    against_default_engine(results)
     out.write_text(json.dumps({"model": str(model_folder(args.quick)), "calls": calls, "runs": runs,
                                "busy_at_end": B.busy_fraction(), "env": B.env_info(), "rows": results}, indent=1))
     for row in results:
         print(f"run {row['run']} {row['backend']:12} {row['batch']}x{row['seq']:<4} {row['path']:24} "
               f"p50 {row['p50_ms']:6.1f} (plain {row['plain_p50_ms']:6.1f})  p99 {row['p99_ms']:6.1f} "
               f"(plain {row['plain_p99_ms']:6.1f})  overhead {row['overhead_ms']:+6.1f} ms  ratio {row['ratio']:.2f}  "
-              f"slow {row['slow_calls']}/{row['calls']} (plain {row['plain_slow_calls']})")
+              f"slow {row['slow_calls']}/{row['calls']} (plain {row['plain_slow_calls']})"
+              + (f"  over default engine {row['over_default_engine']:.3f}" if "over_default_engine" in row else ""))
 
 
 if __name__ == "__main__":
