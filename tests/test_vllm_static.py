@@ -38,8 +38,9 @@ def _load(path, **kwargs):
 
 
 def _vllm_points(model) -> list:
-    """Every point of an eager handle but those read on eager only (attn_result, mlp_pre)."""
-    return [a for a in model.points() if not a.info.eager_only_read]
+    """Every point of an eager handle but those read on eager only (expert_out) or by a per-request hook
+    (attn_result, mlp_pre, mlp_pre_linear)."""
+    return [a for a in model.points() if not (a.info.eager_only_read or a.info.hook_read)]
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma2"])
