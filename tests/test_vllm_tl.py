@@ -52,3 +52,25 @@ def test_attn_result_and_mlp_pre_at_two_ranks_equal_eager_after_an_edit_upstream
     with pytest.raises(SpecError, match="attn_result.0 is read-only"):
         steer(two_ranks, PROMPTS, S.Scale("attn_result.0", 2.0))
     assert two_ranks.runtime.worker_status() == [{"calls": 0, "hooks": 0}] * 2
+
+
+@requires("slow")
+@requires("vllm-bnb")
+def test_quantized_engine_refuses_weights_and_attn_result_but_serves_mlp_pre(tiny_path):
+    """bnb-4bit (vLLM's bitsandbytes path): no plain weight to hand out or multiply z by; the refusals say so and
+    the engine serves on. Behind "slow": its own engine start (this module's engine is shut down first)."""
+    from interp_engine.errors import BackendError
+
+    for live in list(_LIVE.values()):
+        live.unload()
+    with no_child_survives():
+        model = load_model(str(tiny_path("llama")), backend="vllm", quantization="bnb-4bit", dtype="bfloat16")
+        try:
+            with pytest.raises(BackendError, match=r"(?s)quantized \(BitsAndBytesLinearMethod\).*Fix: load"):
+                model.weights
+            with pytest.raises(BackendError, match=r"(?s)attn_result is z times o_proj's plain weight.*Fix: read z"):
+                capture(model, PROMPTS[0], ["attn_result.0"])
+            cache = capture(model, PROMPTS[0], ["mlp_pre.0", "mlp_pre_linear.0", "z.0"])
+            assert cache["mlp_pre.0"].shape[-1] == model.d_mlp and cache["mlp_pre.0"].abs().sum() > 0
+        finally:
+            asyncio.run(model.shutdown())
