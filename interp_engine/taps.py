@@ -47,6 +47,11 @@ class Taps:
             raise SpecError(fix(f"static_points={eager_reads}: these points are read on the eager backend only "
                                 "(vLLM's fused kernels never form them).",
                                 "drop them from static_points; read them with backend=\"eager\"."))
+        hooked = [str(a) for a in reads if a.info.hook_read]
+        if hooked:
+            raise SpecError(fix(f"static_points={hooked}: these points are recomputed per request by a hook, which "
+                                "taps compiled into the model do not run.",
+                                'drop them from static_points; read them with backend="vllm" (or "eager").'))
         return cls(tuple(a for a in reads if a not in ALWAYS), writes)
 
     def buffers(self) -> tuple[Address, ...]:

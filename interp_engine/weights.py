@@ -6,7 +6,9 @@ n_kv_heads: repeat them to n_heads if you need TL's expanded view), W_O [n_heads
 W_in/W_gate [d_model, d_mlp], W_out [d_mlp, d_model]. A bias the checkpoint lacks is zeros, as in TL. Not folded:
 norm weights are their own tensors (Gemma's effective scale 1 + weight), nothing centred or rescaled.
 
-Read-only by contract: on eager they are views of the live parameters, so writing into one changes the model.
+Read-only by contract: on eager they are views of the live parameters, so writing into one changes the model;
+on vLLM they are a copy fetched from the workers once per engine (backends/vllm/weights.py), shared by every
+read of `model.weights`.
 """
 
 from dataclasses import dataclass
@@ -14,7 +16,19 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from interp_engine.errors import PointError, fix
+from interp_engine.arch import Arch
+from interp_engine.errors import BackendError, PointError, fix
+
+
+def check_served(arch: Arch) -> None:
+    """TransformerLens's per-layer weights have no single meaning for an MoE model, and a discovered model has
+    no table of where its projections are: refused on every backend, before any weight is read."""
+    if arch.moe is not None or arch.discovered:
+        what = ("a mixture-of-experts model, whose MLP is per expert" if arch.moe is not None else
+                "a model without a family table (its layers were found from its structure)")
+        raise BackendError(fix(f"TransformerLens-shaped weights are not served for {arch.family}: it is {what}.",
+                               "read the HF parameters themselves: model.runtime.model.named_parameters() on "
+                               'backend="eager".'))
 
 
 @dataclass(frozen=True, slots=True)

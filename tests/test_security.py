@@ -70,9 +70,9 @@ def test_worker_rpcs_are_named_methods_with_data_arguments():
 
     literal = {node.targets[0].id: node.value.value for node in ast.parse((PACKAGE / "backends/vllm/wire.py")
                .read_text()).body if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)}
-    tree = ast.parse((PACKAGE / "backends/vllm/runtime.py").read_text())
+    trees = [ast.parse((PACKAGE / f"backends/vllm/{module}.py").read_text()) for module in ("runtime", "weights")]
     names = []
-    for node, _, name in _calls(tree):
+    for node, _, name in (call for tree in trees for call in _calls(tree)):
         if name == "_rpc":
             first = node.args[0]
             assert isinstance(first, ast.Attribute) and isinstance(first.value, ast.Name) and \
@@ -82,7 +82,7 @@ def test_worker_rpcs_are_named_methods_with_data_arguments():
             names.append(value)
         if name == "collective_rpc":
             assert isinstance(node.args[0], ast.Name) and node.args[0].id == "method"
-    assert set(names) == {"ie_attach", "ie_collect", "ie_release", "ie_status"} == set(wire.METHODS)
+    assert set(names) == {"ie_attach", "ie_collect", "ie_release", "ie_status", "ie_weights"} == set(wire.METHODS)
 
 
 # ------------------------------------------------------------------------------------- specs from disk

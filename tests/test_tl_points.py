@@ -6,7 +6,7 @@ import torch
 
 from interp_engine import capture, load_model, steer
 from interp_engine import spec as S
-from interp_engine.errors import BackendError, PointError, SpecError
+from interp_engine.errors import PointError, SpecError
 from tests.conftest import PROMPTS
 from tests.skips import requires
 from tests.test_capture_parity import O_PROJ, POST_NORMS, _close
@@ -106,16 +106,18 @@ def test_new_points_refused_with_the_fix(eager, family, call, error, fragments):
 
 
 @requires("vllm")
-def test_new_points_on_vllm_refused_naming_eager_before_the_engine_starts(tiny_path):
-    model = load_model(str(tiny_path("llama")), backend="vllm", max_model_len=64)
-    assert not {"attn_result", "mlp_pre"} & {a.point for a in model.points()}
-    with pytest.raises(BackendError, match=r'(?s)attn_result.0 is read on the eager backend only.*backend="eager"'):
-        capture(model, PROMPTS[0], ["attn_result.0"])
+def test_new_points_on_vllm_static_refused_naming_vllm_before_the_engine_starts(tiny_path):
+    """vllm serves them (recomputed in its per-request hooks: tests/test_vllm_tl.py); vllm-static's compiled taps
+    do not, and its refusals name vllm."""
+    path = str(tiny_path("llama"))
+    assert {"attn_result", "mlp_pre", "mlp_pre_linear"} <= {a.point for a in load_model(path, backend="vllm").points()}
+    with pytest.raises(SpecError, match=r"(?s)static_points=\['attn_result.1'\]: .*recomputed per request.*"
+                                        r'Fix: .*backend="vllm"'):
+        load_model(path, backend="vllm-static", static_points=["attn_result.1"])
+    model = load_model(path, backend="vllm-static", static_points=["z.0"])
     with pytest.raises(SpecError) as info:  # both problems at once
         capture(model, PROMPTS[0], ["attn_result.0", "mlp_pre.1"])
-    for fragment in ("attn_result.0 is read on the eager backend only", "mlp_pre.1 is read on the eager backend",
-                     'backend="eager"', "read z"):
+    for fragment in ("attn_result.0 is recomputed per request by a hook", "mlp_pre.1 is recomputed",
+                     'backend="vllm"', "read z", "read mlp_act"):
         assert fragment in str(info.value), (fragment, str(info.value))
     assert model.runtime.llm is None, "refused before the engine started"
-    with pytest.raises(SpecError, match=r"(?s)static_points=\['attn_result.1'\]: .*eager backend only.*Fix"):
-        load_model(str(tiny_path("llama")), backend="vllm-static", static_points=["attn_result.1"])

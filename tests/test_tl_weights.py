@@ -9,6 +9,7 @@ from tests.conftest import PROMPTS
 from interp_engine import load_model, run_with_cache
 from interp_engine.errors import BackendError, PointError
 from interp_engine.tiny import FAMILIES
+from interp_engine.weights import STACKED
 from tests.skips import requires
 
 _CLOSE = dict(rtol=1e-4, atol=1e-4)
@@ -74,7 +75,31 @@ def test_bad_requests_are_refused_with_the_fix(eager, tiny_path):
     for family in MOE:
         with pytest.raises(BackendError, match="mixture-of-experts model, whose MLP is per expert"):
             eager(family).weights
-    model = load_model(str(tiny_path("llama")), backend="vllm", max_model_len=64)
-    with pytest.raises(BackendError, match='backend="eager"'):
+    model = load_model(str(tiny_path("qwen3_moe")), backend="vllm", max_model_len=64)
+    with pytest.raises(BackendError, match="mixture-of-experts model, whose MLP is per expert"):
         model.weights
-    assert not model.is_loaded
+    assert not model.is_loaded, "refused before the engine starts"
+    plain = load_model(str(tiny_path("llama")), backend="vllm-generate", max_model_len=64)
+    with pytest.raises(BackendError, match=r'(?s)plain vLLM engine.*Fix: load with backend="vllm"'):
+        plain.weights
+    assert not plain.is_loaded
+
+
+def assert_same_weights(ours, theirs) -> None:
+    """Every tensor of two `Weights` bit-equal, with the same shapes, norms and Nones (a vLLM handle's against
+    eager's on the same checkpoint: the workers hold the checkpoint's tensors, sharded)."""
+    for name in ("W_E", "W_pos", "W_U", "b_U"):
+        a, b = getattr(ours, name), getattr(theirs, name)
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), name
+    assert len(ours.layers) == len(theirs.layers)
+    for i, (a, b) in enumerate(zip(ours.layers, theirs.layers)):
+        for name in STACKED:
+            x, y = getattr(a, name), getattr(b, name)
+            assert (x is None) == (y is None), (i, name)
+            assert x is None or (x.shape == y.shape and torch.equal(x, y)), (i, name)
+    norms = [(n, getattr(a, n), getattr(b, n)) for a, b in zip(ours.layers, theirs.layers)
+             for n in ("ln1", "ln2", "ln1_post", "ln2_post")] + [("ln_final", ours.ln_final, theirs.ln_final)]
+    for name, x, y in norms:
+        assert (x is None) == (y is None), name
+        assert x is None or (x.kind == y.kind and x.eps == y.eps and torch.equal(x.w, y.w)
+                             and torch.equal(x.b, y.b)), name

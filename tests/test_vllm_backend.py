@@ -57,6 +57,14 @@ def _close(a, b, what=""):
     assert torch.allclose(a, b, rtol=RTOL, atol=ATOL), f"{what}: max abs error {(a - b).abs().max().item()}"
 
 
+def test_weights_equal_eager_and_are_fetched_once(served, eager):
+    from tests.test_tl_weights import assert_same_weights
+
+    family, model = served
+    assert_same_weights(model.weights, eager(family).weights)
+    assert model.weights is model.weights, "fetched from the workers once per engine"
+
+
 def test_every_point_equals_eager_on_a_ragged_batch(served, eager):
     family, model = served
     reference = eager(family)

@@ -79,6 +79,7 @@ def test_every_site_names_a_module_of_every_vllm_layout():
             lacked = all(arch.lacks(p) for chain in site.points for p in chain.split(">"))
             assert site.module == "" or isinstance(getattr(arch.vllm, site.module), str) or lacked, (arch.family, site)
     points = {p for site in SITES for chain in site.points for p in chain.split(">")}
-    assert points == {"embed", "resid_pre", "q", "k", "v", "z", "attn_out", "resid_mid", "mlp_act", "router_logits",
-                      "mlp_out", "resid_post", "final"}
+    # attn_result, expert_weights, patterns and logits are recomputed from these (derived.py, patterns.py)
+    assert points == {"embed", "resid_pre", "q", "k", "v", "z", "attn_out", "resid_mid", "mlp_pre", "mlp_pre_linear",
+                      "mlp_act", "router_logits", "mlp_out", "resid_post", "final"}
     assert set(SHARDING) <= points

@@ -67,7 +67,8 @@ def served(request, tiny_path, eager):
     family, backend = request.param
     for live in list(_LIVE.values()):  # one engine per process
         live.unload()
-    static_points = [a for a in eager(family).points() if not a.info.eager_only_read]  # expert_out: eager only
+    # expert_out: eager only; attn_result, mlp_pre, mlp_pre_linear: per-request hooks (eager, vllm), not taps
+    static_points = [a for a in eager(family).points() if not (a.info.eager_only_read or a.info.hook_read)]
     extra = dict(static_points=static_points, static_writes=_writes(family)) if backend == "vllm-static" else {}
     with no_child_survives():
         model = load_model(str(tiny_path(family)), backend=backend, **extra)
@@ -91,6 +92,18 @@ def test_every_point_plain_and_under_a_write_at_every_point_equals_eager(served,
     plain = capture(model, PROMPTS, ["resid_post.2"])["resid_post.2"]
     assert (ours["resid_post.2"] - plain).abs().max() > 1e-3, "the edits must change the stream"
     print(f"{family} on {backend}: max abs error {worst:.2e} over {len(points)} points")
+
+
+def test_weights_equal_eager_or_are_refused_for_moe(served, eager):
+    """Phi-3's fused qkv_proj and gate_up_proj are HF's own layout; Gemma 3 ties its embeddings."""
+    from tests.test_tl_weights import assert_same_weights
+
+    family, _, model = served
+    if family in MOE:
+        with pytest.raises(BackendError, match="mixture-of-experts"):
+            model.weights
+    else:
+        assert_same_weights(model.weights, eager(family).weights)
 
 
 def test_olmo2_is_refused_on_vllm_naming_why(tiny_path):

@@ -26,6 +26,7 @@ ARCHES = (
             attn_out="post_attention_layernorm",
             mlp_out="post_feedforward_layernorm",
             mlp_down="mlp.down_proj",
+            mlp_in="mlp.gate_up_proj",
             mid_norm="pre_feedforward_layernorm",
         ),
     ),

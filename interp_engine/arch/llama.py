@@ -24,6 +24,7 @@ ARCHES = (
             attn_out="self_attn",
             mlp_out="mlp",
             mlp_down="mlp.down_proj",
+            mlp_in="mlp.gate_up_proj",
             mid_norm="post_attention_layernorm",
         ),
     ),

@@ -36,8 +36,9 @@ class SteerCase:
 
 def has_point(name: str, dims: Dims) -> bool:
     """A mixture-of-experts model has router_logits and expert_weights and no mlp_act; a dense one the other way
-    round. expert_out is read on eager only: nothing to compare a vLLM backend with."""
-    if POINTS[name].eager_only_read:
+    round. expert_out is read on eager only: nothing to compare a vLLM backend with; attn_result, mlp_pre and
+    mlp_pre_linear are not read on vllm-static (tests/test_vllm_tl.py compares vllm's with eager)."""
+    if POINTS[name].eager_only_read or POINTS[name].hook_read:
         return False
     return name not in ("router_logits", "expert_weights", "mlp_act") or (name != "mlp_act") == bool(dims.n_experts)
 

@@ -9,16 +9,12 @@ from torch import Tensor
 
 from interp_engine.arch import Arch, Dims
 from interp_engine.errors import BackendError, fix
-from interp_engine.weights import LayerWeights, Norm, Weights
+from interp_engine.weights import LayerWeights, Norm, Weights, check_served
 
 
 def read_weights(model: torch.nn.Module, arch: Arch, dims: Dims) -> Weights:
     _check_plain(model)
-    if arch.moe is not None or arch.discovered:
-        what = ("a mixture-of-experts model, whose MLP is per expert" if arch.moe is not None else
-                "a model without a family table (its layers were found from its structure)")
-        raise BackendError(fix(f"TransformerLens-shaped weights are not served for {arch.family}: it is {what}.",
-                               "read the HF parameters themselves: model.runtime.model.named_parameters()."))
+    check_served(arch)
     layers = model.get_submodule(arch.layers)
     reader = _READERS.get(arch.family, _llama)
     W_U = model.get_submodule(arch.unembed).weight.detach().T

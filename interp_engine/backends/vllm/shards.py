@@ -15,7 +15,8 @@ from interp_engine.backends.vllm import compat
 
 # How each point is sharded under tensor parallelism (points not listed are replicated).
 HEADS, KV_HEADS, NEURONS = "heads", "kv_heads", "neurons"
-SHARDING = {"q": HEADS, "z": HEADS, "k": KV_HEADS, "v": KV_HEADS, "mlp_act": NEURONS}
+SHARDING = {"q": HEADS, "z": HEADS, "k": KV_HEADS, "v": KV_HEADS, "mlp_act": NEURONS, "mlp_pre": NEURONS,
+            "mlp_pre_linear": NEURONS}
 
 
 class Shards:

@@ -99,6 +99,9 @@ OUTPUT = Codec("output", lambda args, kwargs, out: (out,), lambda args, kwargs, 
 FIRST_OUTPUT = Codec("first_output",
                      lambda args, kwargs, out: (out[0] if isinstance(out, tuple) else out,),
                      lambda args, kwargs, out, new: (new[0], *out[1:]) if isinstance(out, tuple) else new[0])
+# A merged gate_up projection's output, (gate_up, bias): this rank's [gate; up] halves are mlp_pre and mlp_pre_linear.
+GATE_UP = Codec("gate_up", lambda args, kwargs, out: tuple(out[0].chunk(2, dim=-1)),
+                lambda args, kwargs, out, new: (torch.cat(new, dim=-1), *out[1:]))
 # Attention's input, forward(q, k, v, ...) after rotary, each [rows, local heads * d_head].
 QKV = Codec("qkv", lambda args, kwargs, out: tuple(args[:3]), lambda args, kwargs, out, new: (*new, *args[3:]))
 
@@ -137,6 +140,7 @@ SITES = (
     Site("o_proj", "pre", INPUT, ("z",)),
     Site("attn_out", "post", OUTPUT, ("attn_out",)),
     Site("mid_norm", "pre", FUSED_IN, ("resid_mid",)),
+    Site("mlp_in", "post", GATE_UP, ("mlp_pre", "mlp_pre_linear")),
     Site("mlp_down", "pre", INPUT, ("mlp_act",)),
     # The MoE gate's output, (logits, bias): the experts choose from the logits it returns.
     Site("router", "post", FIRST_OUTPUT, ("router_logits",)),

@@ -27,7 +27,8 @@ from interp_engine.addresses import Address
 from interp_engine.backends.vllm import compat, wire
 from interp_engine.backends.vllm.patterns import record_patterns
 from interp_engine.backends.vllm.sites import FINAL, LAYER_SITES, LOGITS, MODEL_SITES, Site, module_of, register
-from interp_engine.backends.vllm.worker import InterpExtension, StepState, WorkerCall, expert_weights, layout_of
+from interp_engine.backends.vllm.derived import expert_weights
+from interp_engine.backends.vllm.worker import InterpExtension, StepState, WorkerCall, layout_of
 from interp_engine.edits import affine, failure
 from interp_engine.taps import PATTERNS, Taps
 

@@ -35,7 +35,8 @@ ATTACH = "ie_attach"
 COLLECT = "ie_collect"
 RELEASE = "ie_release"
 STATUS = "ie_status"
-METHODS = (ATTACH, COLLECT, RELEASE, STATUS)
+WEIGHTS = "ie_weights"  # backends/vllm/weights.py
+METHODS = (ATTACH, COLLECT, RELEASE, STATUS, WEIGHTS)
 
 ERROR = "interp_engine_error"  # a failed call's COLLECT answer: the message the driver raises
 IN_SPEC = "in_spec"  # ...and whether an op failed (SpecError) rather than a read (BackendError)

