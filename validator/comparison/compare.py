@@ -29,7 +29,7 @@ class Row:
     model: str
     backend: str
     num_gpus: int
-    kind: str  # capture | steer | lens | generate | run (the backend as a whole)
+    kind: str  # capture | steer | route (experts chosen under router steering) | lens | generate | run (the whole)
     point: str
     layer: int | None
     op: str
@@ -117,5 +117,5 @@ def _judge(row: dict, ours, ref, tol: Tolerance, backend: str, eager_only: bool)
                message=errors.detail, **limits)
 
 
-def eager_only_steer_keys(dims) -> set[str]:
-    return {f"steer/{c.key}" for c in C.steer_cases(dims) if c.eager_only}
+def eager_only_steer_keys(dims, served=None) -> set[str]:
+    return {f"steer/{c.key}" for c in C.steer_cases(dims, served) if c.eager_only}
