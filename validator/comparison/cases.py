@@ -49,6 +49,13 @@ def served_points(arch) -> tuple[str, ...]:
     return tuple(name for name in POINTS if arch.serves(name) and not arch.lacks(name))
 
 
+def eager_only_reads(dims: Dims, served: Collection[str]) -> list[Address]:
+    """The points only eager reads (vLLM's fused kernels never form them), at the middle layer: the vLLM backends
+    must refuse each before any request, which the report lists as not served."""
+    return [Address(name, steer_layer(dims)) for name, info in POINTS.items() if info.eager_only_read
+            and name in served]
+
+
 def steer_layer(dims: Dims) -> int:
     return dims.n_layers // 2
 

@@ -28,7 +28,7 @@ from interp_engine.arch import supported_model_types, table_for, vllm_model_type
 from interp_engine.tiny import DISCOVERED, FAMILIES, build_tiny_model
 from validator.comparison import report
 from validator.comparison.cases import Plant
-from validator.comparison.compare import FAILING, compare_backend, eager_only_steer_keys, run_row
+from validator.comparison.compare import FAILING, compare_backend, eager_only_keys, run_row
 from validator.comparison.known import classify
 from validator.comparison.tolerances import TOLERANCES
 
@@ -104,15 +104,15 @@ def validate_model(name: str, args, out: Path) -> tuple[list, dict]:
         return [run_row(label, "eager", 1, "error", "the reference failed: " + reference.get("message", ""))], timing
     from interp_engine.arch import Dims
 
-    steer_only = eager_only_steer_keys(Dims(**reference["dims"]), reference["served"])
-    rows = compare_backend(label, reference, reference, steer_only)
+    eager_only = eager_only_keys(Dims(**reference["dims"]), reference["served"])
+    rows = compare_backend(label, reference, reference, eager_only)
     rows = [r for r in rows if r.backend == "hf-vs-eager"]  # the reference against HF's own forward
     counts = sorted({1, args.num_gpus})
     if args.num_gpus > 1:
         if torch.cuda.device_count() >= args.num_gpus:
             saved = run_worker(model, "eager", args.num_gpus, out, args)
             timing[f"eager@{args.num_gpus}"] = saved["seconds"]
-            rows += compare_backend(label, saved, reference, steer_only)
+            rows += compare_backend(label, saved, reference, eager_only)
         else:
             rows.append(run_row(label, "eager", args.num_gpus, "needs_devices",
                                 f"eager shards with device_map='auto' over {args.num_gpus} CUDA cards; "
@@ -127,7 +127,7 @@ def validate_model(name: str, args, out: Path) -> tuple[list, dict]:
                 continue
             saved = run_worker(model, backend, ranks, out, args)
             timing[f"{backend}@{ranks}"] = saved["seconds"]
-            rows += compare_backend(label, saved, reference, steer_only)
+            rows += compare_backend(label, saved, reference, eager_only)
     return rows, timing
 
 

@@ -71,6 +71,10 @@ def run(model, *, quick: bool, plant: C.Plant | None, backend: str, num_gpus: in
             one = attempt(results, f"capture/{a}", lambda a=a: capture(model, list(C.PROMPTS), [a], progress=False))
             if one is not None:
                 results[f"capture/{a}"] = one[a]
+    for a in C.eager_only_reads(dims, served):
+        one = attempt(results, f"capture/{a}", lambda a=a: capture(model, list(C.PROMPTS), [a], progress=False))
+        if one is not None:
+            results[f"capture/{a}"] = one[a]
     if plant is not None and plant.applies(backend, num_gpus):
         key = f"capture/{plant.address.resolve(dims.n_layers)}"
         if isinstance(results.get(key), torch.Tensor):
