@@ -12,6 +12,7 @@ import torch
 from interp_engine.addresses import POINTS
 from interp_engine.arch import _registry
 from tests.skips import requires
+from interp_engine.tiny import DISCOVERED, FAMILIES
 from validator.comparison import report
 from validator.comparison.cases import Plant
 from validator.comparison.compare import Row, run_row
@@ -96,6 +97,16 @@ def test_tolerances_catch_a_1e_2_error_and_compare_masked_keys():
     moved[1, 0] = 0.0  # a masked key unmasked
     assert not compare(moved, ref, fp32).ok
     assert not compare(ref[:1], ref, fp32).ok
+
+
+def test_the_committed_results_cover_every_family_on_both_vllm_backends_at_1_and_2_without_failures():
+    rows, meta = report.load(ROOT / "validator" / "results" / "results.json")
+    assert meta["failures"] == 0 and not meta["plant"] and set(meta["models"]) == set(FAMILIES + DISCOVERED)
+    for model in meta["models"]:
+        ran = {(r.backend, r.num_gpus) for r in rows if r.model == model}
+        assert ran >= {(b, n) for b in ("vllm", "vllm-static") for n in (1, 2)} | {("hf-vs-eager", 1)}, model
+    routed = {r.model for r in rows if r.kind == "route" and r.status == "pass" and r.num_gpus == 2}
+    assert routed == {m for m in FAMILIES if _registry()[m].moe is not None}  # router steering, every MoE family
 
 
 def test_merge_keeps_the_models_not_run_again_and_the_cells_say_what_failed():

@@ -7,6 +7,7 @@ README's family table (family x backend x num_gpus: the point set compared and w
 
 import json
 import math
+import re
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -125,17 +126,19 @@ def point_set(points: set[str]) -> str:
 
 
 def _reason(message: str) -> str:
-    """A refusal's first clause, for a table cell."""
-    first = message.strip().splitlines()[0] if message.strip() else ""
-    for stop in (" Fix:", " (", ": "):
-        first = first.split(stop)[0]
-    return first.rstrip(".;,")
+    """A refusal, short enough for a table cell: its fix where it has one, else its first line; no asides."""
+    text = message.strip()
+    if "Fix:" in text:
+        text = "fix: " + text.split("Fix:", 1)[1].strip()
+    return re.sub(r" \([^)]*\)", "", text.splitlines()[0] if text else "").rstrip(".")
 
 
 def family_cell(group: list[Row]) -> str:
     run = next((r for r in group if r.kind == "run"), None)
+    if run is not None and run.message.startswith("no vLLM layout"):  # validate.py's words for it
+        return "refused, naming eager"
     if run is not None:
-        return {"eager_only": "refused: ", "not_served": "refused: ", "error": "✗ crashed: "}.get(
+        return {"eager_only": "refused: ", "not_served": "refused; ", "error": "✗ crashed: "}.get(
             run.status, f"{run.status}: ") + _reason(run.message)
     compared = [r for r in group if r.status in ("pass", "known", *FAILING)]
     if not compared:
