@@ -23,3 +23,12 @@ def test_python_snippets_import_torch_where_they_use_it():
     for block in re.findall(r"```python\n(.*?)```", README, flags=re.S):
         if "torch." in block and not block.lstrip().startswith(">>>"):
             assert re.search(r"^import (\w+, )*torch\b", block, flags=re.M), block
+
+
+def test_the_family_table_is_the_one_generated_from_the_committed_validator_results():
+    from validator.comparison import report
+
+    rows, meta = report.load(report.ROOT / "validator" / "results" / "results.json")
+    start, end = README.index(report.START), README.index(report.END) + len(report.END)
+    assert README[start:end] == report.readme_section(rows, meta), \
+        "Fix: python -m validator.comparison.report --readme (never edit the table by hand)"

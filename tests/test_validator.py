@@ -12,7 +12,10 @@ import torch
 from interp_engine.addresses import POINTS
 from interp_engine.arch import _registry
 from tests.skips import requires
+from interp_engine.tiny import DISCOVERED, FAMILIES
+from validator.comparison import report
 from validator.comparison.cases import Plant
+from validator.comparison.compare import Row, run_row
 from validator.comparison.tolerances import TOLERANCES, compare
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,3 +98,30 @@ def test_tolerances_catch_a_1e_2_error_and_compare_masked_keys():
     moved[1, 0] = 0.0  # a masked key unmasked
     assert not compare(moved, ref, fp32).ok
     assert not compare(ref[:1], ref, fp32).ok
+
+
+def test_the_committed_results_cover_every_family_on_both_vllm_backends_at_1_and_2_without_failures():
+    rows, meta = report.load(ROOT / "validator" / "results" / "results.json")
+    assert meta["failures"] == 0 and not meta["plant"] and set(meta["models"]) == set(FAMILIES + DISCOVERED)
+    for model in meta["models"]:
+        ran = {(r.backend, r.num_gpus) for r in rows if r.model == model}
+        assert ran >= {(b, n) for b in ("vllm", "vllm-static") for n in (1, 2)} | {("hf-vs-eager", 1)}, model
+    routed = {r.model for r in rows if r.kind == "route" and r.status == "pass" and r.num_gpus == 2}
+    assert routed == {m for m in FAMILIES if _registry()[m].moe is not None}  # router steering, every MoE family
+
+
+def test_merge_keeps_the_models_not_run_again_and_the_cells_say_what_failed():
+    meta = {"models": ["llama"], "worker_seconds": {"llama": {}}, "seconds": 5.0, "when": "t1", "num_gpus": 2,
+            "runs": [{"when": "t1", "models": ["llama"], "num_gpus": 2, "seconds": 5}]}
+    old = {**meta, "models": ["llama", "gemma2"], "worker_seconds": {"llama": {}, "gemma2": {}},
+           "rows": [run_row("llama", "vllm", 1, "error").to_dict(), run_row("gemma2", "vllm", 1, "error").to_dict()],
+           "runs": [{"when": "t0", "models": ["llama", "gemma2"], "num_gpus": 2, "seconds": 9}]}
+    new = [Row("llama", "vllm", 1, "capture", "resid_post", 0, "", "pass", 0.0, 0.0, 1e-4, 1e-5),
+           Row("llama", "vllm", 1, "capture", "resid_mid", 0, "", "fail", 1.0, 1.0, 1e-4, 1e-5)]
+    rows, merged = report.merge(old, new, meta)
+    assert [(r.model, r.status) for r in rows] == [("gemma2", "error"), ("llama", "pass"), ("llama", "fail")]
+    assert merged["models"] == ["gemma2", "llama"] and [r["when"] for r in merged["runs"]] == ["t0", "t1"]
+    assert report.family_cell(new) == "✗ `resid_post` (1 of 2 checks fail)"
+    assert report.family_cell(new[:1]) == "✓ `resid_post` (1 check)"
+    with pytest.raises(SystemExit, match="planted"):
+        report.merge(old, new, {**meta, "plant": "resid_mid.1:vllm:0.01"})

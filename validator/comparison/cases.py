@@ -4,6 +4,7 @@ Everything here is a deterministic function of the model's dims, so each backend
 cases and the driver compares them key by key.
 """
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -34,13 +35,27 @@ class SteerCase:
         return self.address.point in EAGER_ONLY_WRITES or self.op == "Ablate(mean)"
 
 
-def has_point(name: str, dims: Dims) -> bool:
+def has_point(name: str, dims: Dims, served: Collection[str] | None = None) -> bool:
     """A mixture-of-experts model has router_logits and expert_weights and no mlp_act; a dense one the other way
-    round. expert_out is read on eager only: nothing to compare a vLLM backend with; attn_result, mlp_pre and
-    mlp_pre_linear are not read on vllm-static (tests/test_vllm_tl.py compares vllm's with eager)."""
-    if POINTS[name].eager_only_read or POINTS[name].hook_read:
+    round. expert_out is read on eager only, and attn_result, mlp_pre, mlp_pre_linear by hooks only (eager, vllm):
+    `hook_reads` asks them of every backend. `served`: the point names the model's arch serves (a discovered
+    model: the residual stream only); None: every point."""
+    if POINTS[name].eager_only_read or POINTS[name].hook_read or (served is not None and name not in served):
         return False
     return name not in ("router_logits", "expert_weights", "mlp_act") or (name != "mlp_act") == bool(dims.n_experts)
+
+
+def served_points(arch) -> tuple[str, ...]:
+    """The point names the model's arch has (a discovered model: the residual stream; MoE or dense points)."""
+    return tuple(name for name in POINTS if arch.serves(name) and not arch.lacks(name))
+
+
+def eager_only_reads(dims: Dims, served: Collection[str]) -> list[Address]:
+    """The points only eager reads (vLLM's fused kernels never form them) or only hooks read (eager and vllm, not
+    vllm-static's compiled taps), at the middle layer: a backend that refuses one must do so before any request,
+    which the report lists as not served; one that serves it is compared with eager."""
+    return [Address(name, steer_layer(dims)) for name, info in POINTS.items()
+            if (info.eager_only_read or info.hook_read) and name in served]
 
 
 def steer_layer(dims: Dims) -> int:
@@ -52,7 +67,7 @@ def _vector(address: Address, shape: tuple[int, ...], salt: int) -> torch.Tensor
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 0.5
 
 
-def steer_cases(dims: Dims) -> list[SteerCase]:
+def steer_cases(dims: Dims, served: Collection[str] | None = None) -> list[SteerCase]:
     """Add, Set (last position) and zero-Ablate at every point of docs/design.md section 2, at the middle layer.
 
     Attention patterns and logits are writable on eager only: one zero-Ablate each stands for them, plus a
@@ -61,7 +76,7 @@ def steer_cases(dims: Dims) -> list[SteerCase]:
     layer = steer_layer(dims)
     cases = []
     for name, info in POINTS.items():
-        if not has_point(name, dims) or info.read_only:
+        if not has_point(name, dims, served) or info.read_only:
             continue
         address = Address(name, layer) if info.layered else Address(name)
         if info.eager_only_write:
@@ -80,10 +95,27 @@ def steer_cases(dims: Dims) -> list[SteerCase]:
     return cases
 
 
-def lens_points(dims: Dims) -> list[Address]:
+def route_cases(dims: Dims) -> list[tuple[str, S.Spec]]:
+    """MoE only: the experts chosen (expert_weights, zero where not chosen) under each router_logits edit of
+    steer_cases, and under Scale(-1), which makes every token take its least likely experts. Equal to eager
+    within tolerance means the same experts chosen with the same weights: another choice is off by a weight."""
+    if not dims.n_experts:
+        return []
+    router = Address("router_logits", steer_layer(dims))
+    edits = [(c.op, c.spec) for c in steer_cases(dims) if c.address == router]
+    edits.append(("Scale(-1)", S.Spec((S.Scale(str(router), -1.0),))))
+    return [(f"route/{op}/{route_read(dims)}", spec) for op, spec in edits]
+
+
+def route_read(dims: Dims) -> Address:
+    return Address("expert_weights", steer_layer(dims))
+
+
+def lens_points(dims: Dims, served: Collection[str] | None = None) -> list[Address]:
     layer = steer_layer(dims)
-    return [Address("embed"), *(Address("resid_post", i) for i in range(dims.n_layers)),
-            Address("resid_mid", layer), Address("attn_out", layer), Address("mlp_out", layer), Address("final")]
+    every = [Address("embed"), *(Address("resid_post", i) for i in range(dims.n_layers)),
+             Address("resid_mid", layer), Address("attn_out", layer), Address("mlp_out", layer), Address("final")]
+    return [a for a in every if served is None or a.point in served]
 
 
 def generation_spec(dims: Dims) -> S.Spec:

@@ -29,7 +29,7 @@ class Row:
     model: str
     backend: str
     num_gpus: int
-    kind: str  # capture | steer | lens | generate | run (the backend as a whole)
+    kind: str  # capture | steer | route (experts chosen under router steering) | lens | generate | run (the whole)
     point: str
     layer: int | None
     op: str
@@ -74,7 +74,7 @@ def _ref_key(key: str) -> str:
     return "capture/" + key.removeprefix("hf/") if key.startswith("hf/") else key
 
 
-def compare_backend(model: str, saved: dict, reference: dict, steer_eager_only: set[str]) -> list[Row]:
+def compare_backend(model: str, saved: dict, reference: dict, eager_only: set[str]) -> list[Row]:
     backend, num_gpus = saved["backend"], saved["num_gpus"]
     if saved["status"] != "ok":
         status = saved["status"] if saved["status"] != "error" else "error"
@@ -88,7 +88,7 @@ def compare_backend(model: str, saved: dict, reference: dict, steer_eager_only: 
         point, layer = (address.point, address.layer) if address else (key.rpartition("/")[2], None)
         row = dict(model=model, backend=backend if kind != "hf" else "hf-vs-eager", num_gpus=num_gpus, kind=kind,
                    point=point, layer=layer, op=op)
-        rows.append(_judge(row, ours, ref, tol, backend, key in steer_eager_only))
+        rows.append(_judge(row, ours, ref, tol, backend, key in eager_only))
     return rows
 
 
@@ -117,5 +117,7 @@ def _judge(row: dict, ours, ref, tol: Tolerance, backend: str, eager_only: bool)
                message=errors.detail, **limits)
 
 
-def eager_only_steer_keys(dims) -> set[str]:
-    return {f"steer/{c.key}" for c in C.steer_cases(dims) if c.eager_only}
+def eager_only_keys(dims, served) -> set[str]:
+    """The results the vLLM backends refuse by design: eager-only edits and reads."""
+    return {f"steer/{c.key}" for c in C.steer_cases(dims, served) if c.eager_only} | \
+        {f"capture/{a}" for a in C.eager_only_reads(dims, served)}

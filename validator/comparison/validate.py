@@ -7,8 +7,9 @@ any failure. Wrapped by run_all_models.sh.
 
     python -m validator.comparison.validate [--quick] [--num-gpus N] [MODEL ...]
 
-MODEL is a family name (a tiny model of it is built locally and cached), a checkpoint folder, or a HF repo id
-already in the local HF cache. Default: one tiny model per covered family (--quick: llama and gemma2).
+MODEL is a family name (a tiny model of it is built locally and cached; the discovered ones too: stablelm,
+granite), a checkpoint folder, or a HF repo id already in the local HF cache. Default: one tiny model per family
+and per discovered type (--quick: llama and gemma2). --merge keeps the rows of models not run this time.
 """
 
 import argparse
@@ -19,14 +20,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
-from interp_engine.arch import vllm_model_types
-from interp_engine.tiny import FAMILIES, build_tiny_model
+from interp_engine.arch import supported_model_types, table_for, vllm_model_types
+from interp_engine.tiny import DISCOVERED, FAMILIES, build_tiny_model
 from validator.comparison import report
 from validator.comparison.cases import Plant
-from validator.comparison.compare import FAILING, compare_backend, eager_only_steer_keys, run_row
+from validator.comparison.compare import FAILING, compare_backend, eager_only_keys, run_row
 from validator.comparison.known import classify
 from validator.comparison.tolerances import TOLERANCES
 
@@ -47,7 +49,7 @@ def default_num_gpus() -> int:
 
 def resolve_model(name: str, cache: Path) -> tuple[str, str]:
     """(what load_model takes, its model_type)."""
-    if name in FAMILIES:
+    if name in FAMILIES + DISCOVERED:
         folder = cache / name
         if not (folder / "interp_engine_tiny.json").exists():
             build_tiny_model(name, folder)
@@ -58,8 +60,9 @@ def resolve_model(name: str, cache: Path) -> tuple[str, str]:
 
     found = try_to_load_from_cache(name, "config.json")
     if not isinstance(found, str):
-        raise SystemExit(f"{name!r} is neither a family ({', '.join(FAMILIES)}), a folder, nor a repo id in the "
-                         "local HF cache. Fix: download it first (huggingface-cli download), or pass its folder.")
+        raise SystemExit(f"{name!r} is neither a family ({', '.join(FAMILIES + DISCOVERED)}), a folder, nor a "
+                         "repo id in the local HF cache. Fix: download it first (huggingface-cli download), or pass "
+                         "its folder.")
     return name, json.loads(Path(found).read_text())["model_type"]
 
 
@@ -101,28 +104,30 @@ def validate_model(name: str, args, out: Path) -> tuple[list, dict]:
         return [run_row(label, "eager", 1, "error", "the reference failed: " + reference.get("message", ""))], timing
     from interp_engine.arch import Dims
 
-    steer_only = eager_only_steer_keys(Dims(**reference["dims"]))
-    rows = compare_backend(label, reference, reference, steer_only)
+    eager_only = eager_only_keys(Dims(**reference["dims"]), reference["served"])
+    rows = compare_backend(label, reference, reference, eager_only)
     rows = [r for r in rows if r.backend == "hf-vs-eager"]  # the reference against HF's own forward
     counts = sorted({1, args.num_gpus})
     if args.num_gpus > 1:
         if torch.cuda.device_count() >= args.num_gpus:
             saved = run_worker(model, "eager", args.num_gpus, out, args)
             timing[f"eager@{args.num_gpus}"] = saved["seconds"]
-            rows += compare_backend(label, saved, reference, steer_only)
+            rows += compare_backend(label, saved, reference, eager_only)
         else:
             rows.append(run_row(label, "eager", args.num_gpus, "needs_devices",
                                 f"eager shards with device_map='auto' over {args.num_gpus} CUDA cards; "
                                 f"{torch.cuda.device_count()} visible"))
     for backend in args.backends:
         for ranks in counts:
-            if model_type not in vllm_model_types():
+            # a type with no table is discovered (residual stream), which vLLM serves too: its worker says
+            if model_type not in vllm_model_types() and model_type in supported_model_types():
+                why = table_for(SimpleNamespace(model_type=model_type)).vllm_refusal
                 rows.append(run_row(label, backend, ranks, "eager_only",
-                                    f"no vLLM layout for {model_type!r} in interp_engine"))
+                                    why or f"no vLLM layout for {model_type!r} in interp_engine"))
                 continue
             saved = run_worker(model, backend, ranks, out, args)
             timing[f"{backend}@{ranks}"] = saved["seconds"]
-            rows += compare_backend(label, saved, reference, steer_only)
+            rows += compare_backend(label, saved, reference, eager_only)
     return rows, timing
 
 
@@ -145,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
                         help='vllm-static taps: "auto" (resid_post at every layer, the default) or all points')
     parser.add_argument("--out", default=str(ROOT / "validator" / "results"))
     parser.add_argument("--models-dir", default=str(Path.home() / ".cache" / "interp_engine" / "validator"))
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the rows (and timings) of models in --out's results.json that this run does not "
+                             "run again, so families can be validated a few at a time into one report")
     parser.add_argument("--plant", default=None, type=Plant.parse,
                         help="TESTS OF THE VALIDATOR ONLY: POINT.LAYER:BACKEND[@N]:AMOUNT adds AMOUNT to that "
                              "backend's capture of that point before comparing; the run must then fail")
@@ -152,22 +160,25 @@ def main(argv: list[str] | None = None) -> int:
     args.num_gpus = args.num_gpus or (1 if args.quick else default_num_gpus())
     args.backends = [b for b in args.backends.split(",") if b]
     args.models_dir = Path(args.models_dir)
-    models = args.models or list(QUICK_FAMILIES if args.quick else FAMILIES)
+    models = args.models or list(QUICK_FAMILIES if args.quick else FAMILIES + DISCOVERED)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     start, rows, timing = time.perf_counter(), [], {}
     for name in models:
-        got, took = validate_model(name, args, out)
+        got, timing[name] = validate_model(name, args, out)
         rows += got
-        timing[name] = took
+    runs = [{"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "models": models,
+             "num_gpus": args.num_gpus, "seconds": round(time.perf_counter() - start)}]
     rows, fixed = classify(rows)
     meta = {"mode": "quick" if args.quick else "full", "machine": machine(), "num_gpus": args.num_gpus,
             "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "seconds": time.perf_counter() - start,
             "models": models, "backends": ["eager", *args.backends], "plant": str(args.plant) if args.plant else None,
             "tolerances": ", ".join(f"{str(d).removeprefix('torch.')} rtol {t.rtol:g} atol {t.atol:g}"
                                     for d, t in TOLERANCES.items()),
-            "worker_seconds": timing, "known_no_longer_failing": fixed,
+            "worker_seconds": timing, "known_no_longer_failing": fixed, "runs": runs,
             "torch": torch.__version__, "python": platform.python_version()}
+    if args.merge and (out / "results.json").exists():
+        rows, meta = report.merge(json.loads((out / "results.json").read_text()), rows, meta)
     report.write_json(out / "results.json", rows, meta)
     (out / "results.md").write_text(report.markdown(rows, meta))
     report.heatmap(out / "heatmap.png", rows)

@@ -20,9 +20,9 @@ from validator.comparison import cases as C
 NOT_BUILT, NOT_INSTALLED = "not in this build", "which is not installed"
 
 
-def every_address(dims) -> list[Address]:
+def every_address(dims, served=None) -> list[Address]:
     return [Address(name, i) if info.layered else Address(name)
-            for name, info in POINTS.items() if C.has_point(name, dims)
+            for name, info in POINTS.items() if C.has_point(name, dims, served)
             for i in (range(dims.n_layers) if info.layered else [None])]
 
 
@@ -36,10 +36,14 @@ def load(path: str, backend: str, num_gpus: int, static_points: str):
         from interp_engine.loading import read_config  # dims before a handle exists, to declare the taps
 
         _, config = read_config(path)
-        dims = read_dims(config, arch_for(config))
-        kwargs["static_points"] = "auto" if static_points == "auto" else [str(a) for a in every_address(dims)]
+        arch = arch_for(config)
+        dims, served = read_dims(config, arch), C.served_points(arch)
+        # "auto" is resid_post at every layer; the experts chosen under router steering are read too (MoE)
+        points = every_address(dims, served) if static_points == "all" else \
+            [Address("resid_post", i) for i in range(dims.n_layers)] + [C.route_read(dims)] * bool(dims.n_experts)
+        kwargs["static_points"] = [str(a) for a in dict.fromkeys(points)]
         # every edit the workload makes (steering cases and generation's Add) must be declared up front
-        kwargs["static_writes"] = sorted({str(c.address) for c in C.steer_cases(dims) if not c.eager_only})
+        kwargs["static_writes"] = sorted({str(c.address) for c in C.steer_cases(dims, served) if not c.eager_only})
     return load_model(path, backend=backend, num_gpus=num_gpus, **kwargs)
 
 
@@ -55,8 +59,8 @@ def attempt(results: dict, key: str, call) -> object | None:
 
 
 def run(model, *, quick: bool, plant: C.Plant | None, backend: str, num_gpus: int) -> dict:
-    dims, results = model.dims, {}
-    addresses = every_address(dims)
+    dims, results, served = model.dims, {}, C.served_points(model.arch)
+    addresses = every_address(dims, served)
     cache = attempt(results, "capture/*", lambda: capture(model, list(C.PROMPTS), addresses, progress=False))
     if cache is not None:
         for a in addresses:
@@ -67,16 +71,25 @@ def run(model, *, quick: bool, plant: C.Plant | None, backend: str, num_gpus: in
             one = attempt(results, f"capture/{a}", lambda a=a: capture(model, list(C.PROMPTS), [a], progress=False))
             if one is not None:
                 results[f"capture/{a}"] = one[a]
+    for a in C.eager_only_reads(dims, served):
+        one = attempt(results, f"capture/{a}", lambda a=a: capture(model, list(C.PROMPTS), [a], progress=False))
+        if one is not None:
+            results[f"capture/{a}"] = one[a]
     if plant is not None and plant.applies(backend, num_gpus):
         key = f"capture/{plant.address.resolve(dims.n_layers)}"
         if isinstance(results.get(key), torch.Tensor):
             results[key] = results[key] + plant.amount
-    for case in C.steer_cases(dims):
+    for case in C.steer_cases(dims, served):
         logits = attempt(results, f"steer/{case.key}", lambda case=case: steer(model, list(C.PROMPTS), case.spec,
                                                                                progress=False))
         if logits is not None:
             results[f"steer/{case.key}"] = logits
-    points = C.lens_points(dims)
+    for key, spec in C.route_cases(dims):
+        cache = attempt(results, key, lambda spec=spec: capture(model, list(C.PROMPTS), [C.route_read(dims)], spec,
+                                                                progress=False))
+        if cache is not None:
+            results[key] = cache[C.route_read(dims)]
+    points = C.lens_points(dims, served)
     lens = attempt(results, "lens/*", lambda: logit_lens(model, list(C.PROMPTS), points=points, progress=False))
     if lens is not None:
         for a, row in zip(points, lens):
@@ -142,7 +155,8 @@ def main() -> None:
     else:
         try:
             saved.update(status="ok", dtype=str(model.dtype).removeprefix("torch."),
-                         dims={f: getattr(model.dims, f) for f in model.dims.__dataclass_fields__})
+                         dims={f: getattr(model.dims, f) for f in model.dims.__dataclass_fields__},
+                         served=C.served_points(model.arch))
             saved["results"] = run(model, quick=args.quick, plant=plant, backend=args.backend,
                                    num_gpus=args.num_gpus)
             if args.backend == "eager" and args.num_gpus == 1:

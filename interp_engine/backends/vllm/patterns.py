@@ -19,6 +19,10 @@ def record_patterns(state, layer: int, q: Tensor, k: Tensor, attention) -> None:
     cap = compat.attention_soft_cap(attention)
     window = compat.attention_window(attention)
     sinks = compat.attention_sinks(attention)
+    if sinks is not None and sinks.shape[0] != q.shape[1]:
+        # This rank's heads' sinks, q gathered over every head: gather them too, here and not per call, so that
+        # every rank (each calls this at the same layers: the schedule is broadcast) runs the collective alike.
+        sinks = compat.all_gather(sinks, 0)
     for active in state.active:
         call = active.call
         if call.error or (scores_at not in call.reads and probs_at not in call.reads):
@@ -55,9 +59,6 @@ def _record(call, active, layer: int, q: Tensor, k: Tensor, scale: float, cap, w
         if sinks is None:
             probs = torch.softmax(scores, dim=-1)
         else:
-            if sinks.shape[0] != n_heads:
-                raise NotImplementedError(f"attention sinks of {sinks.shape[0]} heads on this rank, {n_heads} "
-                                          "gathered: GPT-OSS's patterns are recomputed at num_gpus=1 only")
             sink = sinks.float().view(1, -1, 1).expand(*scores.shape[:-1], 1)
             probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
         for address, values in ((scores_at, scores), (probs_at, probs)):
