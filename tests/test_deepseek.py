@@ -210,3 +210,20 @@ def test_vllm_backends_refuse_it_with_the_reason_before_anything_loads(backend, 
 
     with pytest.raises(InterpEngineError, match="(?s)MLA never forms per-head k and v.*Fix"):
         load_model(str(tiny_path(FAMILY)), backend=backend)
+
+
+def test_a_latent_edit_holds_through_generation_and_sdpa_equals_eager(eager):
+    """The cache holds kv_latent: a steered generation's tokens are the greedy tokens of steer() on the whole
+    sequence (so each step saw every earlier position's edited latent), and differ from the plain generation's.
+    SDPA attention (the default) forms the same q, k, v, z and latent as eager attention."""
+    model, sdpa = eager(FAMILY), eager(FAMILY, attn="sdpa")
+    tokens = model.to_tokens(PROMPTS[1])
+    spec = S.Add("kv_latent.1", torch.linspace(-3, 3, model.dims.d_latent))
+    out = generate(model, tokens, spec, max_new_tokens=4, stop_at_eos=False)
+    assert out.tokens != generate(model, tokens, max_new_tokens=4, stop_at_eos=False).tokens
+    forced = steer(model, out.sequences, spec)[0, tokens.shape[1] - 1:-1].argmax(-1)
+    assert tuple(forced.tolist()) == out.tokens[0]
+    points = ["q.1", "k.1", "v.1", "z.1", "kv_latent.1", "expert_out.1", "logits"]
+    ours, theirs = capture(sdpa, tokens, points), capture(model, tokens, points)
+    for p in points:
+        _close(ours[p], theirs[p])
