@@ -11,6 +11,7 @@ from torch import Tensor
 
 from interp_engine.addresses import POINTS, Address
 from interp_engine.arch import Arch, Dims, ModelConfig
+from interp_engine.arch.layers import lacking
 from interp_engine.backends.base import Capabilities, Runtime
 from interp_engine.errors import InputTypeError, SpecError, fix
 from interp_engine.taps import Taps
@@ -116,7 +117,8 @@ class ModelHandle:
                     or self.arch.lacks(info.name)):
                 continue
             if info.layered:
-                out += [Address(info.name, i) for i in range(self.n_layers)]
+                kinds = self.dims.layer_kinds
+                out += [Address(info.name, i) for i in range(self.n_layers) if lacking(info.name, i, kinds) is None]
             else:
                 out.append(Address(info.name))
         return tuple(out)

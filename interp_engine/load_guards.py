@@ -15,20 +15,22 @@ from interp_engine.selection import BackendSelection
 HEADROOM = 2
 
 
-def load_tokenizer(source: str, *, trust_remote_code: bool, name: str):
+def load_tokenizer(source: str, *, trust_remote_code: bool, name: str, config=None):
     """The folder's tokenizer, read with trust_remote_code=False first, always explicit: left as None, a folder whose
     tokenizer_config.json has an `auto_map` makes transformers ask on the terminal whether to run its code. The
     folder's code runs only when the user asked for it and no tokenizer class transformers ships can read the
-    folder (so load_model stays free of checkpoint code wherever it can be)."""
+    folder (so load_model stays free of checkpoint code wherever it can be). `config`: the model's, where
+    config.json is not transformers' to read (arch/aliases.py)."""
     from transformers import AutoTokenizer
 
+    extra = {"config": config} if config is not None else {}
     try:
-        return AutoTokenizer.from_pretrained(source, local_files_only=True, trust_remote_code=False)
+        return AutoTokenizer.from_pretrained(source, local_files_only=True, trust_remote_code=False, **extra)
     except ValueError as e:
         if "trust_remote_code" not in str(e):
             raise
     if trust_remote_code:
-        return AutoTokenizer.from_pretrained(source, local_files_only=True, trust_remote_code=True)
+        return AutoTokenizer.from_pretrained(source, local_files_only=True, trust_remote_code=True, **extra)
     raise LoadError(fix(
         f"{name!r} names its own tokenizer code (auto_map in tokenizer_config.json or config.json), and "
         "interp_engine never runs a folder's code unless asked.",
@@ -53,7 +55,8 @@ def check_fits(name: str, config, selection: BackendSelection, *, quantization: 
                there: tuple[int, str] | None = None) -> None:
     """Refuse a config whose weights, priced by the sizer, need more than HEADROOM x the memory there."""
     from interp_engine.sizing_shapes import count_params, shipped_scheme
-    from interp_engine.sizing_tables import ALIASES, LAYOUTS, SCHEMES, WRAPPERS
+    from interp_engine.arch.aliases import ALIASES
+    from interp_engine.sizing_tables import LAYOUTS, SCHEMES, WRAPPERS
 
     if getattr(config, "model_type", None) not in {*LAYOUTS, *WRAPPERS, *ALIASES}:
         return  # the sizer does not price this family; the loaders refuse what they cannot serve

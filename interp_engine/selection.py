@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from interp_engine.arch import arch_for, check_sizes, vllm_model_types
+from interp_engine.arch.aliases import aliased_config
 from interp_engine.arch.vllm_cpu import cpu_refusal
 from interp_engine.errors import BackendError, InputTypeError, LoadError, SpecError, fix
 from interp_engine.hub import HubSource, fetch
@@ -108,7 +109,9 @@ def read_config(repo_id: Any, hub: HubSource | None = None):
         # transformers ask on the terminal whether to run the folder's code. interp_engine serves only the
         # families it knows, whose config classes transformers ships.
         _check_raw_sizes(folder / "config.json")
-        return str(folder), AutoConfig.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+        aliased = aliased_config(folder)  # Kimi-K2's: a DeepSeek-V3 under another name
+        return str(folder), aliased or AutoConfig.from_pretrained(str(folder), local_files_only=True,
+                                                                  trust_remote_code=False)
     except (OSError, ValueError, ArithmeticError, StrictDataclassError) as e:  # a zero size divides by zero
         raise LoadError(fix(f"config.json of {str(repo_id)!r} cannot be read: {' '.join(str(e).split())[:300]}",
                             "make config.json readable and valid JSON, with the types transformers expects (what "

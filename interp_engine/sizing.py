@@ -214,7 +214,7 @@ def estimate_from_config(config: Any, *, repo_id: str | None = None, backend: st
     # vllm-static's buffers, one step of rows each, at this rank's share of heads and neurons: one per read
     # buffer, two per write (mul and add).
     local = {"n_heads": d.n_heads // num_gpus, "n_kv_heads": max(d.n_kv_heads // num_gpus, 1), "d_head": d.d_head,
-             "d_mlp": d.d_mlp // num_gpus, "d_model": d.d_model}
+             "d_head_v": d.d_head_v, "d_mlp": d.d_mlp // num_gpus, "d_model": d.d_model, "d_latent": d.d_latent}
     buffers = (*(Taps(points, ()).buffers() if points or writes else ()), *writes, *writes)
     captures = size * tokens_per_step(gpu) * sum(math.prod(local[a] for a in p.info.axes if a in local)
                                                  for p in buffers)

@@ -20,8 +20,9 @@ from typing import Any
 import torch
 
 from interp_engine.arch import Arch, Dims, _registry, check_sizes, read_dims
+from interp_engine.arch.aliases import ALIASES
 from interp_engine.errors import InputTypeError, LoadError, fix
-from interp_engine.sizing_tables import ALIASES, LAYOUTS, SCHEMES, WRAPPERS, Scheme
+from interp_engine.sizing_tables import LAYOUTS, SCHEMES, WRAPPERS, Scheme
 
 _ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 

@@ -149,5 +149,4 @@ LAYOUTS.update({
 })
 # Multimodal checkpoints whose config.json wraps the text model the sizer prices (the vision tower is left out).
 WRAPPERS = ("kimi_k25", "qwen3_5")
-# config.json model types that are another family's shape under a new name.
-ALIASES = {"kimi_k2": "deepseek_v3"}
+# Model types that are another family's shape under a new name: arch/aliases.ALIASES, which load_model reads too.

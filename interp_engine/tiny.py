@@ -95,6 +95,20 @@ _BASE: dict[str, dict[str, Any]] = {
                     layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                     max_position_embeddings=131072,
                     tie_word_embeddings=False),
+    # DeepSeek-V3's layout scaled down (Kimi-K2's is the same with 384 experts, n_group 1): a q latent, a KV latent
+    # and three head widths that all differ (non-rotary q/k 32, rotary 16, v 24), interleaved YaRN rotary (factor
+    # 40 from 4096 positions, mscale 1: the softmax scale grows); layer 0 dense, then 8 routed experts in 4 groups,
+    # top-2 groups then top-2 experts, one shared expert, renormalised weights scaled by 2.5; the correction bias
+    # set non-zero after building (HF initialises it to zeros, which would leave the bias untested).
+    "deepseek_v3": dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=3,
+                        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=48,
+                        qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=24, n_routed_experts=8,
+                        n_shared_experts=1, n_group=4, topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1,
+                        norm_topk_prob=True, routed_scaling_factor=2.5, topk_method="noaux_tc", scoring_func="sigmoid",
+                        max_position_embeddings=163840, tie_word_embeddings=False,
+                        rope_parameters={"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                                         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                         "rope_theta": 10000.0}),
 }
 
 
@@ -149,6 +163,9 @@ def build_tiny_model(
     config = AutoConfig.for_model(family, **kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):  # DeepSeek's router: zeros would leave its bias untested
+            buffer.copy_(0.05 * torch.randn(buffer.shape, generator=torch.Generator().manual_seed(seed)))
     if train_steps:
         _fit(model, tokenizer, train_steps)
     model.save_pretrained(str(out))

@@ -3,7 +3,7 @@
 Every tensor a public function returns is annotated with these names, and `func/shapes.py` checks each result
 against them with the model's sizes bound (so `d_model` means this model's d_model, not "any size").
 
-Axes: layer batch pos d_model n_heads n_kv_heads d_head d_mlp d_vocab q_pos k_pos.
+Axes: layer batch pos d_model n_heads n_kv_heads d_head d_head_v d_mlp d_vocab q_pos k_pos d_latent.
 `layer` counts the rows of a stacked result (the logit lens' points); `q_pos`/`k_pos` are the query and key
 positions of an attention pattern. Deliberately no `from __future__ import annotations`: jaxtyping and beartype
 read these hints at run time.
@@ -21,6 +21,8 @@ Tokens = Int[Tensor, "batch pos"]
 Resid = Float[Tensor, "batch pos d_model"]
 Heads = Float[Tensor, "batch pos n_heads d_head"]
 KVHeads = Float[Tensor, "batch pos n_kv_heads d_head"]
+VHeads = Float[Tensor, "batch pos n_kv_heads d_head_v"]  # v (d_head_v: d_head but under latent attention)
+ZHeads = Float[Tensor, "batch pos n_heads d_head_v"]
 Pattern = Float[Tensor, "batch n_heads q_pos k_pos"]
 MLPAct = Float[Tensor, "batch pos d_mlp"]
 Logits = Float[Tensor, "batch pos d_vocab"]
@@ -29,7 +31,8 @@ Scalar = Float[Tensor, ""]
 FeatureActs = Float[Tensor, "batch pos _d_sae"]  # an SAE's width, not the model's: `_` leaves it unbound
 Vector = Float[Tensor, "..."]
 
-_BY_AXES = {tuple(hint.dim_str.split()): hint for hint in (Resid, Heads, KVHeads, Pattern, MLPAct, Logits)}
+_BY_AXES = {tuple(hint.dim_str.split()): hint for hint in (Resid, Heads, KVHeads, VHeads, ZHeads, Pattern,
+                                                                   MLPAct, Logits)}
 _MODEL = Shaped[Tensor, " ".join(MODEL_AXES)]
 
 
@@ -59,5 +62,5 @@ def bind_model(dims) -> None:
         raise ValueError(f"internal: the shape memo already holds sizes other than this model's {dims}")
 
 
-__all__ = ["Axis", "AXES", "MODEL_AXES", "Tokens", "Resid", "Heads", "KVHeads", "Pattern", "MLPAct", "Logits",
+__all__ = ["Axis", "AXES", "MODEL_AXES", "Tokens", "Resid", "Heads", "KVHeads", "VHeads", "ZHeads", "Pattern", "MLPAct", "Logits",
            "LogProbs", "Scalar", "FeatureActs", "Vector", "activation", "bind_model", "meta"]

@@ -7,6 +7,7 @@ import torch
 
 from interp_engine.addresses import POINTS, Address
 from interp_engine.arch import Dims, families_with
+from interp_engine.arch.layers import lacking
 from interp_engine.errors import BackendError, InterpEngineError, PointError, SpecError, fix
 from interp_engine.sae import SAE, Features
 from interp_engine.spec import SPEC_DTYPES, Ablate, Add, Clamp, Custom, Patch, Positions, Scale, Set, Spec, Splice, shown
@@ -27,8 +28,8 @@ class Plan:
 def feature_shape(address: Address, dims: Dims, width: int) -> tuple[int, ...]:
     """One position's shape at `address` (for attention patterns: one query row, `width` keys)."""
     sizes = {"d_model": dims.d_model, "n_heads": dims.n_heads, "n_kv_heads": dims.n_kv_heads,
-             "d_head": dims.d_head, "d_mlp": dims.d_mlp, "d_vocab": dims.d_vocab, "k_pos": width,
-             "n_experts": dims.n_experts, "top_k": dims.top_k}
+             "d_head": dims.d_head, "d_head_v": dims.d_head_v, "d_mlp": dims.d_mlp, "d_vocab": dims.d_vocab,
+             "k_pos": width, "n_experts": dims.n_experts, "top_k": dims.top_k, "d_latent": dims.d_latent}
     return tuple(sizes[a] for a in address.info.axes if a not in ("batch", "pos", "q_pos"))
 
 
@@ -57,7 +58,7 @@ def _resolve(address: Address, model, problems: list) -> Address | None:
     except InterpEngineError as e:
         problems.append(e)
         return None
-    lacks = model.arch.lacks(resolved.point)
+    lacks = model.arch.lacks(resolved.point) or lacking(resolved.point, resolved.layer, model.dims.layer_kinds)
     if lacks is not None:
         problems.append(PointError(f"{resolved} does not exist in {model.name!r}: {lacks}"))
         return None
@@ -205,6 +206,12 @@ def plan(model, spec: Spec, reads: Iterable[Address], *, n_prompts: int, longest
         if generating and address.info.needs_eager_attention:
             problems.append(SpecError(fix(f"{address} cannot be edited while generating: the pattern grows every step.",
                                 "edit q/k/v instead, or steer() the full sequence.")))
+        if generating and address.point in ("k", "v") and model.dims.d_latent:
+            problems.append(SpecError(fix(f"{address} cannot be edited while generating on {model.arch.family}: its "
+                                          "cache holds the latent, from which every step expands k and v afresh, so "
+                                          "an edit of an earlier step's k or v would be lost.",
+                                          f"edit kv_latent.{address.layer} (what the cache holds), or steer() the "
+                                          "full sequence.")))
         if address.info.read_only:
             why, how = _READ_ONLY[address.point]
             problems.append(SpecError(fix(f"{address} is read-only: {why}.", how.format(L=address.layer))))

@@ -118,9 +118,10 @@ def test_kimi_k2_style_config_is_priced_as_deepseek_v3():
 
 
 def test_a_kimi_k2_config_reads_and_is_refused_clearly_before_loading():
-    """config.json alone (no weights, no tokenizer): read as kimi_k25, priced, refused before anything loads."""
+    """config.json alone (no weights, no tokenizer): read as its text model (deepseek_v3, the wrapper's dtype),
+    priced, refused before anything loads."""
     source, config = read_config(str(KIMI))
-    assert config.model_type == "kimi_k25" and config.get_text_config().kv_lora_rank == 512
+    assert config.model_type == "deepseek_v3" and config.kv_lora_rank == 512 and config.dtype == torch.bfloat16
     for backend in ("vllm", "eager"):  # 553 GiB of weights on this machine (or a single GPU's)
         with pytest.raises(LoadError, match="cannot fit") as caught:
             load_model(str(KIMI), backend=backend)

@@ -47,19 +47,43 @@ class Moe:
     top_k_key: str = "num_experts_per_tok"
     top_k_first: bool = False
     experts: str = "mlp.experts"  # relative to a layer: the experts module, forward(rows, top-k ids, top-k weights)
+    # DeepSeek-V3: sigmoid scores, chosen within the best groups after the gate's correction bias (`Grouped`).
+    grouped: bool = False
+    # Layers below this config key's value are dense MLPs (DeepSeek's first_k_dense_replace); None: none is.
+    dense_first_key: str | None = None
 
-    def routing(self, config) -> tuple[int, bool, bool]:
-        """(top k, renormalised, top k first) as this config sets them: `route`'s arguments."""
+    def routing(self, config, gate=None) -> tuple:
+        """(top k, renormalised, top k first[, Grouped]) as this config (and, grouped, the gate module's correction
+        bias) sets them: `route`'s arguments after the logits."""
         renormalize = self.renormalize if isinstance(self.renormalize, bool) else getattr(config, self.renormalize)
-        return getattr(config, self.top_k_key), bool(renormalize), self.top_k_first
+        plain = (getattr(config, self.top_k_key), bool(renormalize), self.top_k_first)
+        if not self.grouped:
+            return plain
+        return (*plain, Grouped(config.n_group, config.topk_group, config.routed_scaling_factor,
+                                gate.e_score_correction_bias))
 
 
-def route(logits, top_k: int, renormalize: bool, top_k_first: bool = False):
+@dataclass(frozen=True, slots=True)
+class Grouped:
+    """DeepSeek-V3's router (noaux_tc): each expert's score is the sigmoid of its logit; the choice adds the
+    correction bias, keeps the `topk_group` groups whose two best biased scores sum highest, and takes the top k
+    there; the weights are the unbiased scores, renormalised (+1e-20) where the config says, times `scale`."""
+
+    n_group: int
+    topk_group: int
+    scale: float
+    bias: object  # the gate's e_score_correction_bias, [n_experts] float32
+
+
+def route(logits, top_k: int, renormalize: bool, top_k_first: bool = False, grouped: Grouped | None = None):
     """(weights, indices) of the chosen experts from router logits, as HF's routers and vLLM's top-k compute them:
     softmax in float32, top k, renormalised to sum to 1 where the family does (or the softmax of the top k
-    logits, `top_k_first`). One semantics for every backend."""
+    logits, `top_k_first`; or DeepSeek's grouped sigmoid routing, op for op as HF's). One semantics for every
+    backend."""
     import torch
 
+    if grouped is not None:
+        return _route_grouped(logits, top_k, renormalize, grouped)
     if top_k_first:
         values, indices = torch.topk(logits, top_k, dim=-1)
         return torch.softmax(values, dim=-1, dtype=values.dtype), indices
@@ -67,6 +91,24 @@ def route(logits, top_k: int, renormalize: bool, top_k_first: bool = False):
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(logits.dtype), indices
+
+
+def _route_grouped(logits, top_k: int, renormalize: bool, g: Grouped):
+    import torch
+
+    scores = logits.float().sigmoid()
+    choice = scores + g.bias
+    n = scores.shape[-1]
+    group_scores = choice.view(-1, g.n_group, n // g.n_group).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=g.topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(-1, g.n_group, n // g.n_group).reshape(-1, n)
+    choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+    indices = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, indices)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * g.scale, indices
 
 
 def dense_weights(weights, indices, n_experts: int):
@@ -104,6 +146,13 @@ class Arch:
     points: tuple[str, ...] | None = None  # the points served; None: every point (a table's family)
     moe: Moe | None = None  # a mixture-of-experts family: router_logits instead of mlp_act
     sdpa: bool = True  # HF's implementation has an SDPA path (GPT-OSS's has none: eager attention is the default)
+    # The config keys of q's and k's head width (d_head), and of v's and z's (d_head_v; none: the same width).
+    d_head_keys: tuple[str, ...] = ("head_dim",)
+    d_head_v_keys: tuple[str, ...] = ()
+    # Multi-head latent attention: the module whose output is the compressed KV latent (kv_latent), and the
+    # config key of its width.
+    kv_latent: str | None = None
+    d_latent_key: str | None = None
 
     @property
     def discovered(self) -> bool:
@@ -120,7 +169,10 @@ class Arch:
             return fix(f"{point} exists only in mixture-of-experts models; this is a dense {self.family} model.",
                        f"use a model of a family with experts ({', '.join(moe_families())}); on a dense model "
                        "mlp_act and mlp_out are the MLP's points.")
-        if point == "mlp_act" and self.moe is not None:
+        if point == "kv_latent" and self.kv_latent is None:
+            return fix(f"kv_latent is the compressed key-value latent of multi-head latent attention; {self.family} "
+                       "computes each head's k and v directly.", "read k and v (each head's keys and values).")
+        if point == "mlp_act" and self.moe is not None and self.mlp_down is None:
             return fix(f"mlp_act has no single meaning in a {self.family} model: each token's MLP is a weighted sum "
                        "of its chosen experts, each with its own hidden layer.",
                        "read router_logits or expert_weights (the router's choice) or mlp_out (what the experts add "
@@ -137,11 +189,11 @@ class Arch:
                        + ("is a mixture of experts." if self.moe is not None else
                           "has one input projection, whose output is mlp_pre."),
                        "read mlp_pre (the pre-activation) or mlp_act (after the activation).")
-        if point == "attn_result" and self.moe is not None:
+        if point == "attn_result" and (self.moe is not None or self.kv_latent is not None):
             return fix(f"attn_result is not served for {self.family}: it is computed from TransformerLens-shaped "
-                       "W_O, which is not read for mixture-of-experts models.",
+                       "W_O, which is not read for mixture-of-experts or latent-attention models.",
                        "read z and multiply by each head's slice of self_attn.o_proj.weight (its columns "
-                       "h*d_head:(h+1)*d_head).")
+                       "h*d:(h+1)*d, d the width of z's heads).")
         return None
 
 
@@ -160,6 +212,16 @@ class Dims:
     max_len: int
     n_experts: int = 0  # routed experts per layer; 0: a dense model
     top_k: int = 0  # experts each token is routed to; 0: a dense model
+    d_head_v: int = 0  # v's and z's head width; 0 when built: d_head (every family but latent attention)
+    d_latent: int = 0  # kv_latent's width (MLA's kv_lora_rank); 0: no latent
+    # Per layer, the kinds it is (arch/layers.py: which points each kind lacks); (): every layer has every point.
+    layer_kinds: tuple[tuple[str, ...], ...] = ()
+
+    def __post_init__(self):
+        if not self.d_head_v:
+            object.__setattr__(self, "d_head_v", self.d_head)
+        # From JSON (the validator's saved dims) the kinds come back as lists.
+        object.__setattr__(self, "layer_kinds", tuple(tuple(k) for k in self.layer_kinds))
 
 
 # The sizes read_dims takes from config.json, each a whole number of at least 1 when present (the first four
@@ -193,14 +255,20 @@ def read_dims(config, arch: Arch) -> Dims:
     n_heads = config.num_attention_heads
     d_model = config.hidden_size
     d_mlp = next((getattr(config, k) for k in arch.d_mlp_keys if getattr(config, k, None)), 4 * d_model)
-    if arch.moe is not None:
+    if arch.moe is not None and arch.moe.dense_first_key is None:
         _check_every_layer_sparse(config, arch)
+    from interp_engine.arch.layers import layer_kinds
+
+    width = lambda keys: next((getattr(config, k) for k in keys if getattr(config, k, None)), 0)  # noqa: E731
     return Dims(
         n_layers=config.num_hidden_layers,
         d_model=d_model,
         n_heads=n_heads,
         n_kv_heads=getattr(config, "num_key_value_heads", None) or n_heads,
-        d_head=getattr(config, "head_dim", None) or d_model // n_heads,
+        d_head=width(arch.d_head_keys) or d_model // n_heads,
+        d_head_v=width(arch.d_head_v_keys),
+        d_latent=getattr(config, arch.d_latent_key) if arch.d_latent_key else 0,
+        layer_kinds=layer_kinds(config, arch),
         d_mlp=d_mlp,
         d_vocab=config.vocab_size,
         max_len=getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 2**31,
@@ -260,11 +328,11 @@ def moe_families() -> tuple[str, ...]:
 
 @functools.cache  # the vLLM worker asks it at every hook install (the family's routing): built once
 def _registry() -> Mapping[str, Arch]:
-    from interp_engine.arch import (gemma2, gemma3, gpt2, gpt_neox, gpt_oss, llama, mixtral, olmo2, phi, phi3,
-                                    qwen3_moe)
+    from interp_engine.arch import (deepseek_v3, gemma2, gemma3, gpt2, gpt_neox, gpt_oss, llama, mixtral, olmo2, phi,
+                                    phi3, qwen3_moe)
 
     table: dict[str, Arch] = {}
-    for module in (llama, gemma2, gemma3, gpt2, gpt_neox, phi, phi3, olmo2, qwen3_moe, mixtral, gpt_oss):
+    for module in (llama, gemma2, gemma3, gpt2, gpt_neox, phi, phi3, olmo2, qwen3_moe, mixtral, gpt_oss, deepseek_v3):
         for arch in module.ARCHES:
             for model_type in arch.model_types:
                 table[model_type] = arch

@@ -20,7 +20,7 @@ from torch import Tensor
 from interp_engine.cache import Cache
 from interp_engine.errors import ResultTypeError, fix
 from interp_engine.sae import Features
-from interp_engine.typing import FeatureActs, activation, bind_model, meta
+from interp_engine.typing import MODEL_AXES, FeatureActs, activation, bind_model, meta
 
 _BATCH = Shaped[Tensor, "batch"]
 
@@ -113,8 +113,7 @@ def _shown(value) -> str:
 
 
 def _refuse(what: str, shown: str, expected: str, reason: str, model) -> None:
-    dims = ", ".join(f"{k}={getattr(model.dims, k)}" for k in ("d_model", "n_heads", "n_kv_heads", "d_head",
-                                                                 "d_mlp", "d_vocab"))
+    dims = ", ".join(f"{k}={getattr(model.dims, k)}" for k in MODEL_AXES if getattr(model.dims, k))
     raise ResultTypeError(fix(
         f"{what} came back {shown}, not {expected} for {model.name!r} ({dims}): {reason}.",
         f"this is a bug in interp_engine or its {model.backend} backend, not in the call; please report it "

@@ -6,7 +6,7 @@ from typing import Any
 import torch
 
 from interp_engine import quantization as Q
-from interp_engine.arch import arch_for, read_cfg, read_dims
+from interp_engine.arch import aliases, arch_for, read_cfg, read_dims
 from interp_engine.errors import BackendError, SpecError, fix
 from interp_engine.handle import ModelHandle
 from interp_engine.load_guards import load_tokenizer
@@ -43,11 +43,13 @@ def load(repo_id: str, source: str, config, selection: BackendSelection, hardwar
         near = difflib.get_close_matches(impl, ["eager", *ALL_ATTENTION_FUNCTIONS], n=1, cutoff=0.0)
         raise SpecError(fix(f"attn_implementation={impl!r} is not an attention implementation transformers knows.",
                             f"did you mean {near[0]!r}? attn_implementation=\"eager\" makes attn_probs readable."))
-    tokenizer = load_tokenizer(source, trust_remote_code=kwargs.get("trust_remote_code") is True, name=str(repo_id))
+    aliased = aliases.hf_kwargs(source, config)  # Kimi-K2's config.json: read here, never by transformers
+    tokenizer = load_tokenizer(source, trust_remote_code=kwargs.get("trust_remote_code") is True, name=str(repo_id),
+                               config=aliased.get("config"))
     narrowing = Q.eager_quantization_kwargs(quantization, selection.dtype, selection.device, num_gpus)
     runtime = EagerRuntime(
         source=source, arch=arch, dims=read_dims(config, arch), device=selection.device, dtype=selection.dtype,
-        attn_implementation=impl, num_gpus=num_gpus, hf_kwargs={**narrowing, **kwargs}, tokenizer=tokenizer,
+        attn_implementation=impl, num_gpus=num_gpus, hf_kwargs={**narrowing, **aliased, **kwargs}, tokenizer=tokenizer,
     )
     return ModelHandle(name=str(repo_id), backend="eager", device=selection.device, dtype=selection.dtype,
                        attn_implementation=impl, requires_grad=requires_grad, arch=arch,

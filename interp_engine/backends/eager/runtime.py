@@ -70,7 +70,7 @@ class EagerRuntime(TokenizerRuntime):
                 model.eval()
                 model.requires_grad_(False)
                 model.set_attn_implementation(attention.register(self.attn_implementation))
-                self.layout = Layout.of(model, self.arch, self.dims.n_layers, self.weights)
+                self.layout = Layout.of(model, self.arch, self.dims, self.weights)
                 self.model = model
             return self.model
 
@@ -90,7 +90,7 @@ class EagerRuntime(TokenizerRuntime):
             # [batch, pos, d_vocab] tensor would cost more than the whole model for a large vocabulary).
             model_kwargs.setdefault("logits_to_keep", 1)
         layout = self.layout if self.model is model else None  # unloaded meanwhile: this model's own
-        with installed(layout or Layout.of(model, self.arch, self.dims.n_layers, self.weights), run):
+        with installed(layout or Layout.of(model, self.arch, self.dims, self.weights), run):
             out = model(input_ids=ids.to(self.device), **model_kwargs)
         return run.touch(LOGITS, out.logits) if run.wants(LOGITS) else out.logits
 

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from interp_engine.addresses import Address
-from interp_engine.arch import Arch, dense_weights, route
+from interp_engine.arch import Arch, Dims, dense_weights, route
 from interp_engine.backends.eager.attention import SITE_KW, eager_pattern
 from interp_engine.edits import Step, apply, failure
 from interp_engine.errors import InterpEngineError
@@ -135,6 +135,7 @@ class Block:
     mlp_pre: torch.nn.Module | None = None  # its output is mlp_pre (the first half of it: Arch.mlp_pre_half)
     mlp_up: torch.nn.Module | None = None  # its output is mlp_pre_linear (the second half: Arch.mlp_pre_half)
     mlp_pre_half: bool = False
+    kv_latent: torch.nn.Module | None = None  # its output is kv_latent (multi-head latent attention)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +143,7 @@ class Router:
     """A sparse MLP's gate, and how the experts choose from its logits (to choose again after an edit)."""
 
     gate: torch.nn.Module
-    routing: tuple[int, bool, bool]  # route()'s arguments after the logits
+    routing: tuple  # route()'s arguments after the logits
     experts: torch.nn.Module  # forward(rows, top-k ids, top-k weights) -> the weighted sum
 
 
@@ -157,7 +158,7 @@ class Layout:
     weights: "Callable[[], Weights] | None" = None
 
     @classmethod
-    def of(cls, model: torch.nn.Module, arch: Arch, n_layers: int,
+    def of(cls, model: torch.nn.Module, arch: Arch, dims: Dims,
            weights: "Callable[[], Weights] | None" = None) -> "Layout":
         layers = model.get_submodule(arch.layers)
 
@@ -165,13 +166,20 @@ class Layout:
             return layer.get_submodule(path) if path is not None else None
 
         moe, config = arch.moe, model.config
-        router = lambda layer: moe and Router(layer.get_submodule(moe.router), moe.routing(config),
-                                                    layer.get_submodule(moe.experts))  # noqa: E731
-        blocks = tuple(Block(layer, *(at(layer, p) for p in (arch.attention, arch.attn_out, arch.mlp_down,
-                                                               arch.mlp_out, arch.mid_norm)), router(layer) or None,
-                             at(layer, arch.mlp_pre), at(layer, arch.mlp_up), arch.mlp_pre_half)
-                       for layer in (layers[i] for i in range(n_layers)))
-        return cls(blocks, model.get_submodule(arch.final_norm), weights)
+
+        def block(i: int) -> Block:
+            layer, kinds = layers[i], dims.layer_kinds[i] if dims.layer_kinds else ()
+            # A dense layer of a mixture-of-experts model has no router; an MoE layer no dense MLP.
+            sparse = moe is not None and "dense" not in kinds
+            dense = moe is None or "dense" in kinds
+            gate = layer.get_submodule(moe.router) if sparse else None
+            router = Router(gate, moe.routing(config, gate), layer.get_submodule(moe.experts)) if sparse else None
+            mlp = (lambda p: at(layer, p)) if dense else (lambda p: None)
+            return Block(layer, at(layer, arch.attention), at(layer, arch.attn_out), mlp(arch.mlp_down),
+                         at(layer, arch.mlp_out), at(layer, arch.mid_norm), router, mlp(arch.mlp_pre),
+                         mlp(arch.mlp_up), arch.mlp_pre_half, at(layer, arch.kv_latent))
+
+        return cls(tuple(block(i) for i in range(dims.n_layers)), model.get_submodule(arch.final_norm), weights)
 
 
 @contextmanager
@@ -212,6 +220,9 @@ def _layer_hooks(block: Block, i: int, run: Run, weights: "Callable[[], Weights]
                 return (x, *args[1:]), kwargs
             return args, {**kwargs, "hidden_states": x}
         handles.append(layer.register_forward_pre_hook(layer_in, with_kwargs=True))
+
+    if run.wants(latent := _at("kv_latent", i)):
+        handles.append(block.kv_latent.register_forward_hook(lambda m, a, out: run.touch(latent, out)))
 
     if any(run.wants(_at(p, i)) for p in ("q", "k", "v", "z", "attn_scores", "attn_probs", "attn_result")):
         site = AttentionSite(run, i, weights and (lambda: weights().layers[i].W_O))
@@ -317,7 +328,8 @@ def _router_hooks(block: Block, i: int, run: Run) -> list:
         return None if edited is x else (flat, *chosen)
 
     def experts_in(module, args):
-        rows, chosen = args[0], args[1]
+        # Highest weight first: the top-k order of the softmax routers; DeepSeek's returns its choice unsorted.
+        rows, chosen = args[0], args[1].gather(-1, args[2].argsort(dim=-1, descending=True, stable=True))
         ones = torch.ones_like(chosen[:, :1], dtype=rows.dtype)
         each = [module.forward(rows, chosen[:, j:j + 1], ones) for j in range(chosen.shape[-1])]
         run.touch(out_at, torch.stack(each, dim=1).view(*shape, chosen.shape[-1], rows.shape[-1]))

@@ -1,0 +1,65 @@
+"""Checkpoints whose config.json names a model type transformers does not ship, though the model is a table
+family's: read as that family, no remote code executed.
+
+- `kimi_k2` (moonshotai/Kimi-K2-Instruct, -Base, -Thinking): architectures ["DeepseekV3ForCausalLM"], a
+  DeepSeek-V3 config under Moonshot's name and its own `configuration_deepseek.py` (auto_map). Read with
+  transformers' DeepseekV3Config; the weights are DeepSeek-V3's names.
+- `kimi_k25` (Kimi-K2.5, K2.6): a multimodal wrapper (KimiK25ForConditionalGeneration; transformers ships it)
+  whose `text_config` is a deepseek_v3 config; its text model's weights are under `language_model.` (vLLM's
+  kimi_k25.py maps them the same way). Served as that text model: `load_model` reads `text_config` (with the
+  wrapper's dtype and quantization), the weights are read with the prefix dropped (`key_mapping`), and the vision
+  tower's and projector's are left unread. Prompts are text only.
+
+The sizer (`sizing_tables`) reads the same `ALIASES`.
+"""
+
+import json
+from pathlib import Path
+
+# model_type in config.json -> the transformers model type it is.
+ALIASES = {"kimi_k2": "deepseek_v3"}
+# Multimodal wrappers served as their text model: model_type -> the prefix of the text model's weights.
+WRAPPERS = {"kimi_k25": "language_model."}
+_DROPPED = ("auto_map", "model_type", "architectures")
+_STATED = ("dtype", "torch_dtype", "quantization_config")
+
+
+def _raw(folder: str | Path) -> dict | None:
+    try:
+        raw = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return raw if isinstance(raw, dict) else None
+
+
+def aliased_config(folder: str | Path):
+    """The transformers config of an aliased or wrapped checkpoint in `folder`, or None for any other."""
+    from transformers import AutoConfig
+
+    raw = _raw(folder)
+    if raw is None:
+        return None
+    kind = raw.get("model_type")
+    if kind in ALIASES:
+        return AutoConfig.for_model(ALIASES[kind], **{k: v for k, v in raw.items() if k not in _DROPPED})
+    if kind in WRAPPERS and isinstance(raw.get("text_config"), dict):
+        text = raw["text_config"]
+        inner = text.get("model_type")
+        if inner not in ALIASES.values():
+            return None
+        # config.json states these on the wrapper (Kimi-K2.5's dtype and int4 scheme): the text model's too.
+        stated = {k: raw[k] for k in _STATED if k in raw and k not in text}
+        return AutoConfig.for_model(inner, **{k: v for k, v in {**text, **stated}.items() if k not in _DROPPED})
+    return None
+
+
+def hf_kwargs(folder: str | Path, config) -> dict:
+    """What from_pretrained needs to read such a checkpoint as its text model: the config read here (so that
+    transformers never reads config.json's auto_map) and, for a wrapper, its weights' prefix dropped."""
+    raw = _raw(folder)
+    kind = raw.get("model_type") if raw else None
+    if kind in ALIASES:
+        return {"config": config}
+    if kind in WRAPPERS:
+        return {"config": config, "key_mapping": {f"^{WRAPPERS[kind].replace('.', '[.]')}": ""}}
+    return {}

