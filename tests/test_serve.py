@@ -5,6 +5,7 @@ import base64
 import concurrent.futures
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -23,6 +24,7 @@ from interp_engine import spec as S
 from interp_engine.errors import InterpEngineError
 from interp_engine.func.capture import capture
 from interp_engine.func.generate import generate
+from interp_engine.func.lens import logit_lens
 from tests.conftest import no_child_survives
 from tests.skips import requires
 
@@ -152,6 +154,31 @@ def test_captures_equal_offline_capture(server, api, eager):
     assert half[points[0]].dtype == torch.float16
 
 
+def test_capture_positions_and_the_lens_equal_offline(server, api, eager):
+    spec, points = S.Add("resid_post.1", _vector(4)), ["resid_post.0", "q.1"]
+    _, out = _complete(api, server, PROMPTS, spec, capture=points, positions=[0, -1], lens=True, top_k=5)
+    tokens = client.tokens_of(out)
+    lengths = [len(t) for t in tokens]
+    assert out.model_extra["interp"]["positions"] == [[0, n - 1] for n in lengths]
+    cache, reference = client.cache_of(out), capture(eager("llama"), tokens, points, spec, progress=False)
+    for i, n in enumerate(lengths):
+        assert torch.allclose(cache["resid_post.0"][i], reference["resid_post.0"][i, [0, n - 1]], rtol=RTOL, atol=ATOL)
+        assert torch.allclose(cache["q.1"][i], reference["q.1"][i, [0, n - 1]], rtol=RTOL, atol=ATOL)
+    top, expected = client.lens_of(out), logit_lens(eager("llama"), tokens, spec=spec, positions=[0, -1], top_k=5,
+                                                     progress=False)
+    assert torch.equal(top.tokens, expected.tokens)
+    assert torch.allclose(top.logprobs, expected.logprobs, rtol=RTOL, atol=1e-4)
+    _, out = _complete(api, server, PROMPTS, spec, lens=["resid_post.-1"])  # every position, the whole vocabulary
+    whole = logit_lens(eager("llama"), client.tokens_of(out), points=["resid_post.2"], spec=spec, progress=False)
+    assert torch.allclose(client.lens_of(out), whole, rtol=RTOL, atol=1e-4)
+    assert out.model_extra["interp"]["lens_points"] == ["resid_post.2"]
+    for extra, message in ((client.extra_body(None, lens=["q.0"]), "not d_model-shaped"),
+                           (client.extra_body(None, lens=True, top_k=0), "top_k=0 is outside"),
+                           (client.extra_body(None, capture=["resid_post.0"], positions=[40]), "positions [40] fall")):
+        with pytest.raises(openai.BadRequestError, match=re.escape(message)):
+            api.completions.create(model=server[2], prompt=PROMPTS[0], max_tokens=2, extra_body=extra)
+
+
 def test_chat_and_streaming_are_steered(server, api, eager):
     spec = S.Add("resid_post.1", _vector(2))
     chat = api.chat.completions.create(
@@ -236,12 +263,17 @@ def test_the_command_refuses_what_it_cannot_serve_before_starting(tiny_path, tmp
     assert "resid_mid.9" in capsys.readouterr().err
 
 
-def test_nothing_outlives_a_request_and_sigterm_leaves_no_child_process(server):
+def _held(server) -> list:
+    """What the workers still hold (vLLM's dev-mode /collective_rpc)."""
     status = urllib.request.Request(server[1].removesuffix("/v1") + "/collective_rpc", method="POST",
                                     data=json.dumps({"method": "ie_status"}).encode(),
                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
     with urllib.request.urlopen(status, timeout=60) as answer:
-        assert json.load(answer)["results"] == [{"calls": 0, "hooks": 0}]
+        return json.load(answer)["results"]
+
+
+def test_nothing_outlives_a_request_and_sigterm_leaves_no_child_process(server):
+    assert _held(server) == [{"calls": 0, "hooks": 0}]
     process = server[0]
     children = psutil.Process(process.pid).children(recursive=True)
     assert children, "the server's engine runs in child processes"

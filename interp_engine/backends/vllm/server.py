@@ -127,7 +127,7 @@ class Interp:
                 return await _error(send, 400, str(job.error))
             try:
                 extra = serving.encode_captures(job, self.n_layers, self.service.limits.capture_bytes) \
-                    if job.reads else {}
+                    if job.asked.plan.reads else {}
             except InterpEngineError as e:
                 return await _error(send, 400, str(e))
             response = json.loads(held["body"])
