@@ -3,6 +3,7 @@
 
 import base64
 import concurrent.futures
+import http.client
 import json
 import os
 import re
@@ -270,6 +271,36 @@ def _held(server) -> list:
                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
     with urllib.request.urlopen(status, timeout=60) as answer:
         return json.load(answer)["results"]
+
+
+def _generated(server) -> float:
+    """vLLM's own count of the tokens it has generated (its Prometheus /metrics)."""
+    with urllib.request.urlopen(server[1].removesuffix("/v1") + "/metrics", timeout=60) as answer:
+        lines = answer.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("vllm:generation_tokens_total"))
+
+
+def test_a_client_that_hangs_up_mid_stream_leaves_nothing_behind(server, api, eager):
+    spec = S.Add("resid_post.1", _vector(5))
+    generated = _generated(server)
+    body = {"model": server[2], "prompt": PROMPTS, "max_tokens": 100, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, **client.extra_body(spec)}
+    connection = http.client.HTTPConnection(*server[1].removeprefix("http://").removesuffix("/v1").split(":"),
+                                            timeout=60)
+    connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json",
+                                                                    "Authorization": f"Bearer {KEY}"})
+    response = connection.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data: ")  # the first token has come
+    connection.sock.shutdown(socket.SHUT_RDWR)  # hang up, far from the 200 tokens asked
+    connection.close()
+    deadline = time.monotonic() + 30
+    while _held(server) != [{"calls": 0, "hooks": 0}] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _held(server) == [{"calls": 0, "hooks": 0}]
+    time.sleep(0.5)  # had the requests run on, they would have generated more by now
+    assert _generated(server) - generated < 2 * 100, "vLLM saw no hang-up: the test checked nothing"
+    steered, _ = _complete(api, server, PROMPTS, spec)
+    assert steered == _offline(eager, spec)
 
 
 def test_nothing_outlives_a_request_and_sigterm_leaves_no_child_process(server):
