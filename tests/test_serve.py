@@ -314,13 +314,42 @@ def test_nothing_outlives_a_request_and_sigterm_leaves_no_child_process(server):
     assert not alive, f"the server's children survived SIGTERM: {alive}"
 
 
-def test_ctrl_c_leaves_no_child_process(second_server, api2, eager):
-    process = second_server[0]
+def _health(server) -> int:
+    try:
+        with urllib.request.urlopen(server[1].removesuffix("/v1") + "/health", timeout=30) as answer:
+            return answer.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_a_stopped_engine_fails_requests_within_the_deadline_and_health_says_so(second_server, api2, eager):
+    from interp_engine.backends.vllm.life import STOPPED_S, TICK_S
+
     steered, _ = _complete(api2, second_server, PROMPTS, DEFAULT)
-    assert steered == _offline(eager, DEFAULT)
+    assert steered == _offline(eager, DEFAULT) and _health(second_server) == 200
+    children = psutil.Process(second_server[0].pid).children(recursive=True)
+    for child in children:  # the engine core, and the worker inside it (--distributed-executor-backend uni)
+        child.suspend()
+    try:
+        start = time.monotonic()
+        with pytest.raises(openai.InternalServerError):
+            _complete(api2, second_server, PROMPTS, DEFAULT)
+        took = time.monotonic() - start
+        assert took < STOPPED_S + TICK_S + 3, took  # the deadline, and some slack for a loaded machine
+        assert _health(second_server) == 503
+        with pytest.raises(openai.InternalServerError):  # a later request fails at once
+            _complete(api2, second_server, PROMPTS[:1], None)
+    finally:
+        for child in children:
+            child.resume()
+
+
+def test_ctrl_c_leaves_no_child_process(second_server):
+    """After the stopped engine above (vLLM stops a server whose engine died, within its 5 s watchdog tick)."""
+    process = second_server[0]
     children = psutil.Process(process.pid).children(recursive=True)
     assert children, "the server's engine runs in child processes"
     os.killpg(process.pid, signal.SIGINT)  # the server leads its own group: every process in it gets SIGINT
-    assert process.wait(60) == 0
+    process.wait(60)
     _, alive = psutil.wait_procs(children, timeout=10)
     assert not alive, f"the server's children survived Ctrl-C: {alive}"

@@ -2,11 +2,12 @@
 started with our worker extension and engine settings (`engine.settings`, as offline), with `serving.py`'s
 request handling added as the innermost ASGI middleware and around the engine client's `generate`."""
 
+import asyncio
 import json
 import os
 from typing import Any
 
-from interp_engine.backends.vllm import compat, engine, serving
+from interp_engine.backends.vllm import compat, engine, server_watch, serving
 from interp_engine.errors import BackendError, InterpEngineError, fix
 
 
@@ -34,6 +35,7 @@ def engine_args(handle, vllm_argv: list[str]):
 
 async def run(handle, args, service: serving.Service) -> None:
     """Serve until SIGINT/SIGTERM (vLLM's handlers: the engine's processes are shut down before we return)."""
+    import psutil
     from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.app import build_app
@@ -42,7 +44,10 @@ async def run(handle, args, service: serving.Service) -> None:
 
     compat.check_version()
     listen_address, sock = setup_server(args, reuse_port=False)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
     async with build_async_engine_client(args) as client:
+        procs = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+        watching = asyncio.get_running_loop().create_task(server_watch.watch(client, procs))
         await client.collective_rpc(serving.wire.ATTACH)  # once per engine, as offline
         serving.wrap_generate(client)
         app = build_app(args, await client.get_supported_tasks(), compat.client_model_config(client))
@@ -52,6 +57,7 @@ async def run(handle, args, service: serving.Service) -> None:
         await init_app_state(client, app.state, args, await client.get_supported_tasks())
         shutdown = await serve_http(app, sock=sock, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                     access_log=not args.disable_uvicorn_access_log)
+        watching.cancel()
     try:
         await shutdown
     finally:
