@@ -76,7 +76,7 @@ def second_server(tiny_path, tmp_path_factory):
         yield from _served(path, default, tmp_path_factory, start_new_session=True)
 
 
-def _served(path, default, tmp_path_factory, **popen):
+def _served(path, default, tmp_path_factory, extra=(), **popen):
     port = _free_port()
     log = open(tmp_path_factory.mktemp("serve_log") / "server.log", "a+")  # O_APPEND: our reads move no write
     process = subprocess.Popen(
@@ -86,11 +86,12 @@ def _served(path, default, tmp_path_factory, **popen):
          # A vLLM flag, passed through: the worker inside the engine core process, one process start (~20 s
          # here) less. The default (a worker process) is the offline backend's, which its own tests cover.
          "--distributed-executor-backend", "uni",
-         "--max-ops", str(MAX_OPS), "--max-spec-bytes", str(1 << 20), "--max-capture-bytes", str(MAX_CAPTURE)],
+         "--max-ops", str(MAX_OPS), "--max-spec-bytes", str(1 << 20), "--max-capture-bytes", str(MAX_CAPTURE),
+         *extra],
         stdout=log, stderr=subprocess.STDOUT,
         # Dev mode: vLLM's /collective_rpc, to ask the workers what they still hold.
         env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "VLLM_SERVER_DEV_MODE": "1"}, **popen)
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + 600  # vllm-static compiles first
     while True:
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=1):

@@ -18,16 +18,20 @@ def engine_args(handle, vllm_argv: list[str]):
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    if handle.backend != "vllm":
-        raise BackendError(fix(f"interp-engine serve runs backend=\"vllm\", not {handle.backend!r}.",
-                               "use --backend vllm (per-request specs and captures at any point)."))
+    if handle.backend not in ("vllm", "vllm-static"):
+        raise BackendError(fix(f"interp-engine serve runs backend=\"vllm\" or \"vllm-static\", not "
+                               f"{handle.backend!r}.", "use --backend vllm (per-request specs and captures at any "
+                               "point), or vllm-static with --static-points/--static-writes."))
     parser = make_arg_parser(FlexibleArgumentParser(prog="interp-engine serve"))
     args = parser.parse_args(["--model", str(handle.runtime.source), *vllm_argv])
     kwargs, env = engine.settings(handle.runtime)
     for name in ("model", "tokenizer", "skip_tokenizer_init"):
         kwargs.pop(name)
     for name, value in kwargs.items():
-        if name in ("worker_extension_cls", "enforce_eager") or getattr(args, name, None) == parser.get_default(name):
+        if name == "additional_config":  # vllm-static's taps, which key its compile cache, join the user's
+            value = {**(args.additional_config or {}), **value}
+        if name in ("worker_extension_cls", "worker_cls", "enforce_eager", "additional_config") or \
+                getattr(args, name, None) == parser.get_default(name):
             setattr(args, name, value)
     validate_parsed_serve_args(args)
     return args, env
