@@ -13,6 +13,7 @@ its prefix cache and skips reading it, and after the job's last request finishes
 Nothing in a request is executed or unpickled: specs are JSON, tensors base64 bytes with dtype and shape.
 """
 
+import asyncio
 import base64
 import contextvars
 import copy
@@ -206,9 +207,10 @@ async def _tabled(engine, plain, job: Job, index: int, prompt, sampling_params, 
         # The last generated token never ran through the model: the rows are the prompt and the others.
         job.ran[index] = ids + new[:-1]
         job.finished += 1
-        # vLLM's serving code calls generate for every prompt before it reads any: the last to end collects.
+        # vLLM's serving code calls generate for every prompt before it reads any: the last to end collects,
+        # shielded: a client that hangs up cancels its request's task, and the table must leave the workers.
         if job.finished == job.started:
-            await _collect(engine, job)
+            await asyncio.shield(_collect(engine, job))
 
 
 async def _collect(engine, job: Job) -> None:
