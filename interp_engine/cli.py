@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         return _harvest(args)
     from interp_engine.sizing import estimate
 
-    points, writes = (_listed(value) for value in (args.static_points, args.static_writes))
+    points, writes = (listed(value) for value in (args.static_points, args.static_writes))
     quantization = None if str(args.quantization).lower() == "none" else args.quantization
     try:
         result = estimate(args.repo_or_path, backend=args.backend, quantization=quantization,
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if result.fits else 1
 
 
-def _listed(value: str | None) -> str | list[str] | None:
+def listed(value: str | None) -> str | list[str] | None:
     """`"auto"`, None, or a comma-separated list of points."""
     if value is None or value == "auto":
         return value

@@ -81,9 +81,19 @@ def is_engine_dead(llm) -> bool:
 def fail_waiters(llm) -> None:
     """Fail whatever the driver waits on in vLLM's sync engine client: pending RPC futures and the output
     queue (vLLM's sync client would otherwise wait forever for a dead engine)."""
+    _fail(_core(llm))
+
+
+def mark_dead(client) -> None:
+    """Mark vLLM's async engine client (the server's) dead, as its own monitor does when the engine core exits
+    (then its /health answers 503 and the server stops), and fail what its requests and RPCs wait on."""
+    client.engine_core.resources.engine_dead = True
+    _fail(client.engine_core)
+
+
+def _fail(core) -> None:
     from vllm.v1.engine.exceptions import EngineDeadError
 
-    core = _core(llm)
     for future in list(getattr(core, "utility_results", {}).values()):
         with contextlib.suppress(Exception):  # already resolved
             future.set_exception(EngineDeadError())

@@ -2,11 +2,12 @@
 started with our worker extension and engine settings (`engine.settings`, as offline), with `serving.py`'s
 request handling added as the innermost ASGI middleware and around the engine client's `generate`."""
 
+import asyncio
 import json
 import os
 from typing import Any
 
-from interp_engine.backends.vllm import compat, engine, serving
+from interp_engine.backends.vllm import compat, engine, server_watch, serving
 from interp_engine.errors import BackendError, InterpEngineError, fix
 
 
@@ -17,16 +18,20 @@ def engine_args(handle, vllm_argv: list[str]):
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    if handle.backend != "vllm":
-        raise BackendError(fix(f"interp-engine serve runs backend=\"vllm\", not {handle.backend!r}.",
-                               "use --backend vllm (per-request specs and captures at any point)."))
+    if handle.backend not in ("vllm", "vllm-static"):
+        raise BackendError(fix(f"interp-engine serve runs backend=\"vllm\" or \"vllm-static\", not "
+                               f"{handle.backend!r}.", "use --backend vllm (per-request specs and captures at any "
+                               "point), or vllm-static with --static-points/--static-writes."))
     parser = make_arg_parser(FlexibleArgumentParser(prog="interp-engine serve"))
     args = parser.parse_args(["--model", str(handle.runtime.source), *vllm_argv])
     kwargs, env = engine.settings(handle.runtime)
     for name in ("model", "tokenizer", "skip_tokenizer_init"):
         kwargs.pop(name)
     for name, value in kwargs.items():
-        if name in ("worker_extension_cls", "enforce_eager") or getattr(args, name, None) == parser.get_default(name):
+        if name == "additional_config":  # vllm-static's taps, which key its compile cache, join the user's
+            value = {**(args.additional_config or {}), **value}
+        if name in ("worker_extension_cls", "worker_cls", "enforce_eager", "additional_config") or \
+                getattr(args, name, None) == parser.get_default(name):
             setattr(args, name, value)
     validate_parsed_serve_args(args)
     return args, env
@@ -34,6 +39,7 @@ def engine_args(handle, vllm_argv: list[str]):
 
 async def run(handle, args, service: serving.Service) -> None:
     """Serve until SIGINT/SIGTERM (vLLM's handlers: the engine's processes are shut down before we return)."""
+    import psutil
     from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.app import build_app
@@ -42,7 +48,10 @@ async def run(handle, args, service: serving.Service) -> None:
 
     compat.check_version()
     listen_address, sock = setup_server(args, reuse_port=False)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
     async with build_async_engine_client(args) as client:
+        procs = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+        watching = asyncio.get_running_loop().create_task(server_watch.watch(client, procs))
         await client.collective_rpc(serving.wire.ATTACH)  # once per engine, as offline
         serving.wrap_generate(client)
         app = build_app(args, await client.get_supported_tasks(), compat.client_model_config(client))
@@ -52,6 +61,7 @@ async def run(handle, args, service: serving.Service) -> None:
         await init_app_state(client, app.state, args, await client.get_supported_tasks())
         shutdown = await serve_http(app, sock=sock, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                     access_log=not args.disable_uvicorn_access_log)
+        watching.cancel()
     try:
         await shutdown
     finally:
@@ -127,7 +137,7 @@ class Interp:
                 return await _error(send, 400, str(job.error))
             try:
                 extra = serving.encode_captures(job, self.n_layers, self.service.limits.capture_bytes) \
-                    if job.reads else {}
+                    if job.asked.plan.reads else {}
             except InterpEngineError as e:
                 return await _error(send, 400, str(e))
             response = json.loads(held["body"])

