@@ -12,7 +12,7 @@ read these hints at run time.
 import functools
 
 import torch
-from jaxtyping import Float, Int, Shaped
+from jaxtyping import Float, Int, Int64, Shaped
 from torch import Tensor
 
 from interp_engine.axes import AXES, MODEL_AXES, Axis
@@ -27,6 +27,8 @@ Logits = Float[Tensor, "batch pos d_vocab"]
 LogProbs = Float[Tensor, "layer batch pos d_vocab"]
 Scalar = Float[Tensor, ""]
 FeatureActs = Float[Tensor, "batch pos _d_sae"]  # an SAE's width, not the model's: `_` leaves it unbound
+TopFeatureActs = Float[Tensor, "batch pos _top_features"]
+TopFeatureIds = Int64[Tensor, "batch pos _top_features"]
 Vector = Float[Tensor, "..."]
 
 _BY_AXES = {tuple(hint.dim_str.split()): hint for hint in (Resid, Heads, KVHeads, Pattern, MLPAct, Logits)}
@@ -60,4 +62,4 @@ def bind_model(dims) -> None:
 
 
 __all__ = ["Axis", "AXES", "MODEL_AXES", "Tokens", "Resid", "Heads", "KVHeads", "Pattern", "MLPAct", "Logits",
-           "LogProbs", "Scalar", "FeatureActs", "Vector", "activation", "bind_model", "meta"]
+           "LogProbs", "Scalar", "FeatureActs", "TopFeatureActs", "TopFeatureIds", "Vector", "activation", "bind_model", "meta"]

@@ -93,6 +93,33 @@ def test_feature_reads_equal_a_hand_written_encode_of_hf_hidden_states(model, sa
             assert not acts[i, len(ids):].any(), "padding must read as zero features"
 
 
+def test_top_features_equal_torch_topk_of_a_hand_written_encode(model, saes, hf_reference, monkeypatch):
+    """The sparse read against torch.topk of the hand-written dense encode of HF's hidden states, encoded a few
+    rows at a time (the chunk shrunk so that a prompt spans several); padding reads as zero values."""
+    import interp_engine.sae as sae_module
+
+    sae, a = saes["relu"]
+    k, top = 8, sae.top_features(8)
+    monkeypatch.setattr(sae_module, "_TOP_CHUNK", 3 * sae.d_sae)
+    cache = capture(model, PROMPTS, [top], progress=False)
+    values, indices = cache[top]
+    width = max(len(model.tokenize(p)) for p in PROMPTS)
+    assert values.shape == indices.shape == (3, width, k) and indices.dtype == torch.int64
+    for i, prompt in enumerate(PROMPTS):
+        ids = model.tokenize(prompt)
+        dense = torch.from_numpy(_hand_encode(_hidden(hf_reference("llama"), ids), a, "relu", b_dec_in=True))
+        expected = dense.topk(k, dim=-1)
+        assert (expected.values > 0).sum() > len(ids), "a read where nothing fires checks no index"
+        torch.testing.assert_close(values[i, :len(ids)], expected.values, rtol=1e-4, atol=1e-4)
+        fired = expected.values > 0  # a zero's index is torch.topk's pick among the features that did not fire
+        assert torch.equal(indices[i, :len(ids)][fired], expected.indices[fired])
+        assert not values[i, len(ids):].any(), "padding must read as zero features"
+        again = cache.unpadded(top)[i]
+        assert torch.equal(again.indices, indices[i, :len(ids)]) and again.shape == (len(ids), k)
+    half = cache.to(dtype=torch.float16)[top]
+    assert half.values.dtype == torch.float16 and half.indices.dtype == torch.int64
+
+
 def test_a_spec_with_an_sae_round_trips_through_json_by_content(saes):
     sae = saes["jumprelu"][0]
     spec = S.Clamp(sae, [3, 5], to=4.0) + S.Splice(sae, error=True)
@@ -183,7 +210,7 @@ def test_steer_feature_adds_the_decoder_row(model, saes):
     assert op == S.Add(f"resid_post.{LAYER}", sae.W_dec.tensor[9], scale=3.0)
 
 
-def test_bad_saes_and_ops_are_refused_before_any_forward_with_the_fix(model, saes):
+def test_bad_saes_and_ops_are_refused_before_any_forward_with_the_fix(model, saes, eager):
     d, sae = model.d_model, saes["jumprelu"][0]
     w = dict(W_enc=torch.randn(d, 16), b_enc=torch.zeros(16), W_dec=torch.randn(16, d), b_dec=torch.zeros(d))
     with pytest.raises(SpecError, match="(?s)swish.*use one of relu, jumprelu, topk"):
@@ -192,6 +219,9 @@ def test_bad_saes_and_ops_are_refused_before_any_forward_with_the_fix(model, sae
         SAE(**w, reads="resid_post.0", activation="jumprelu")
     with pytest.raises(SpecError, match="topk needs k"):
         SAE(**w, reads="resid_post.0", activation="topk")
+    for k in (0, 17, 2.5, True, None):
+        with pytest.raises(SpecError, match=r"(?s)top_features\(k\) needs k in 1..16.*Fix"):
+            SAE(**w, reads="resid_post.0").top_features(k)
     with pytest.raises(SpecError, match=r"features \[16\] do not exist: this SAE has 16 features"):
         S.Clamp(SAE(**w, reads="resid_post.0"), [16], to=1.0)
     transcoder = SAE(torch.randn(model.dims.d_mlp, 16), torch.zeros(16), torch.randn(16, d), torch.zeros(d),
@@ -211,6 +241,9 @@ def test_bad_saes_and_ops_are_refused_before_any_forward_with_the_fix(model, sae
             steer(model, PROMPTS, S.Clamp(wide, [0], to=1.0) + S.Splice(pattern), progress=False)
         with pytest.raises(InterpEngineError, match="resid_post.9 does not exist"):
             capture(model, PROMPTS, [SAE(**w, reads="resid_post.9").features], progress=False)
+        with pytest.raises(SpecError, match="(?s)a top-k read is a selection.*wrt=\\[sae.features\\]"):
+            run_with_grad(eager("llama", grad=True), PROMPTS, loss=lambda logits: logits.sum(),
+                          wrt=[sae.top_features(2)])
         with pytest.raises(SpecError, match="leave point= unset"):
             steer(model, PROMPTS, S.Clamp(sae, [0], point="resid_post.0"), progress=False)
     finally:
