@@ -15,8 +15,8 @@ REASONS = {
                 "plugin (pip install --no-deps vllm-bnb-plugin bitsandbytes)",
     "ray": "Ray is not installed: scripts/setup.sh installs it (the ray extra); replicated harvests run on it",
     "slow": "INTERP_ENGINE_SLOW=1 is not set: vllm-static's per-family compile (about 50-70 s on 2 shared cores) "
-            "of the newer families, and two vLLM harvest replicas on Ray (about 150 s), run only with it (and in "
-            "validator/comparison/run_all_models.sh)",
+            "of the newer families, two vLLM harvest replicas on Ray (about 150 s) and SAEs on a two-rank vLLM "
+            "engine (about 90 s) run only with it (and in validator/comparison/run_all_models.sh)",
 }
 
 
