@@ -198,6 +198,11 @@ class SAE:
         `{digest}.{name}` as their identity and are not hashed again."""
         if not isinstance(d, Mapping):
             raise SpecError(fix(f"{what} is not an SAE dict.", "pass what Spec.to_dict() wrote, unchanged."))
+        if set(d) == {"ref"}:  # an SAE sent to this process once (backends/vllm/sae_refs.py)
+            if not isinstance(d["ref"], str) or d["ref"] not in KEPT:
+                raise SpecError(fix(f"{what} names SAE {shown(d['ref'])}, which this process was never sent.",
+                                    "send the SAE itself (Spec.to_dict() writes it whole)."))
+            return KEPT[d["ref"]]
         known = {*_TENSORS, "reads", "writes", "activation", "k", "normalize", "apply_b_dec_to_input"}
         if unknown := sorted(shown(k) for k in d if k not in known):
             raise SpecError(fix(f"{what} has unknown keys {', '.join(unknown)}.", f"an SAE dict holds {sorted(known)}."))
@@ -264,6 +269,9 @@ def _bad_k(k, d_sae: int) -> SpecError:
     return SpecError(fix(f"top_features(k) needs k in 1..{d_sae} (this SAE's features), got {shown(k)}.",
                          "pass a whole k, e.g. sae.top_features(32); sae.features reads them all."))
 
+
+# SAEs a vLLM worker holds for its engine's life, by `sae_refs.key`: tables name them by {"ref": key}.
+KEPT: dict[str, SAE] = {}
 
 FEATURES = PointInfo("features", ("batch", "pos", "d_sae"))
 TOP_FEATURES = PointInfo("top_features", ("batch", "pos", "top_features"))

@@ -128,6 +128,10 @@ def test_a_spec_with_an_sae_round_trips_through_json_by_content(saes):
     other = S.Clamp(SAE(sae.W_enc.tensor + 1e-3, sae.b_enc, sae.W_dec, sae.b_dec, sae.reads, "jumprelu",
                         sae.threshold), [3, 5], to=4.0)
     assert S.Spec((other,)).fingerprint() != S.Spec((spec.ops[0],)).fingerprint()
+    by_reference = spec.to_dict()
+    by_reference["ops"][0]["sae"] = {"ref": "0" * 32}  # what a vLLM table holds: only a worker was sent it
+    with pytest.raises(SpecError, match="(?s)names SAE '0+\.\.\.0+', which this process was never sent.*Fix"):
+        S.Spec.from_dict(by_reference)
 
 
 def _hooked_logits(hf, ids, edit) -> torch.Tensor:

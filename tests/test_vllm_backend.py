@@ -8,6 +8,7 @@ import torch
 
 from interp_engine import BackendError, capture, generate, load_model, logit_lens, run_with_grad, steer
 from interp_engine import spec as S
+from interp_engine.backends.vllm import sae_refs
 from tests.conftest import (PROMPTS, check_each_request_gets_its_own_vector,
                             check_no_steered_kv_reaches_a_plain_call, no_child_survives, random_sae)
 from tests.skips import requires
@@ -198,6 +199,12 @@ def test_sae_features_clamp_and_splice_equal_eager(served, eager):
         expected = steer(reference, PROMPTS, spec, progress=False)
         assert not torch.allclose(expected, plain, atol=1e-3), f"{spec}: the edit must change the logits"
         _close(steer(model, PROMPTS, spec, progress=False), expected, str(spec))
+    # Each SAE crossed to the workers once, and the tables named it by reference (sae_refs.py).
+    assert model.runtime._life.saes == {sae_refs.key(s) for s in saes}
+    spec = S.Spec((S.Clamp(saes[0], [1], to=2.0),))
+    sent = []
+    table = sae_refs.by_reference(spec, spec.to_dict(), model.runtime._life.saes, sent.append)
+    assert sent == [] and table["ops"][0]["sae"] == {"ref": sae_refs.key(saes[0])}
 
 
 def test_vllm_generate_is_plain_vllm(served, tiny_path, eager):

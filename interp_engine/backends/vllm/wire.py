@@ -35,7 +35,8 @@ ATTACH = "ie_attach"
 COLLECT = "ie_collect"
 RELEASE = "ie_release"
 STATUS = "ie_status"
-METHODS = (ATTACH, COLLECT, RELEASE, STATUS)
+PUT_SAES = "ie_put_saes"  # SAEs sent once per engine, named by reference in tables (sae_refs.py)
+METHODS = (ATTACH, COLLECT, RELEASE, STATUS, PUT_SAES)
 
 ERROR = "interp_engine_error"  # a failed call's COLLECT answer: the message the driver raises
 IN_SPEC = "in_spec"  # ...and whether an op failed (SpecError) rather than a read (BackendError)
