@@ -60,7 +60,8 @@ def test_small_calls_quick_mode_times_each_backend_against_plain_prefill(tmp_pat
 def test_sae_quick_mode_times_feature_capture_and_clamped_decode_on_eager(tmp_path):
     """benchmarks/sae.py end to end on eager (vllm and vllm-static: one engine start each, run by hand)."""
     out = tmp_path / "sae.json"
-    cmd = [sys.executable, "-m", "benchmarks.sae", "--quick", "--runs", "1", "--backends", "eager", "--out", str(out)]
+    cmd = [sys.executable, "-m", "benchmarks.sae", "--quick", "--runs", "1", "--reps", "1", "--backends", "eager",
+           "--out", str(out)]
     env = {**os.environ, "INTERP_ENGINE_BENCH_CACHE": str(tmp_path / "models")}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

@@ -286,3 +286,43 @@ def test_damaged_sae_files_are_refused_with_the_fix(tmp_path):
         with pytest.raises(SpecError, match=what) as info:
             load_sae(path, reads="resid_post.1")
         assert "Fix:" in str(info.value), path
+
+
+def test_the_compiled_clamp_tap_equals_the_eager_clamp_and_fails_only_a_call_past_its_slots():
+    """static_clamp.ClampTap (the body vllm-static traces) on CPU, against SAE.clamped (eager's, checked against
+    HF hooks above): relu with b_dec subtracted, jumprelu and a last-position clamp, three calls in one step;
+    then a call whose features find no free slot fails alone."""
+    from interp_engine.backends.vllm.static_clamp import ClampTap
+    from interp_engine.backends.vllm.worker import Active, WorkerCall
+    from interp_engine.edits import Step
+    from interp_engine.taps import CLAMP_SLOTS
+
+    d, point = 16, S.Address("resid_post", 1)
+    saes = (random_sae(d, 1, 5, apply_b_dec_to_input=True),
+            random_sae(d, 1, 6, activation="jumprelu", threshold=torch.full((4 * d,), 0.1)))
+    ops = (S.Clamp(saes[0], [3, 7], to=4.0), S.Clamp(saes[1], [7, 9], to=-2.0),
+           S.Clamp(saes[0], [7], to=9.0, positions=[-1]))
+    x = torch.randn(9, d, generator=torch.Generator().manual_seed(0))
+
+    def active(op, rows):
+        n = len(rows)
+        step = Step(torch.arange(n)[None], torch.tensor([[n - 1]]), torch.tensor([[n]]), torch.zeros(1, n, dtype=torch.long))
+        return Active(WorkerCall({point: (op,)}, frozenset()), torch.tensor(rows), step)
+
+    calls = [active(op, rows) for op, rows in zip(ops, ([0, 1, 2], [3, 4, 5, 6], [7, 8]))]
+    tap = ClampTap(16, d, "cpu")
+    assert tap.fill(calls, point)
+    out = tap(x)
+    assert not torch.allclose(out, x, atol=1e-3)
+    expected = torch.cat([saes[0].clamped(x[:3], (3, 7), 4.0), saes[1].clamped(x[3:7], (7, 9), -2.0),
+                          x[7:8], saes[0].clamped(x[8:], (7,), 9.0)])
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    tap.reset(16)
+    assert torch.equal(tap(x), x), "rows of calls that clamp nothing pass unchanged"
+
+    two = [random_sae(d, 1, seed) for seed in (7, 8)]  # 40 features of each: 80 distinct pairs
+    many = [active(S.Clamp(sae, list(range(40)), to=1.0), [i]) for i, sae in enumerate(two)]
+    assert tap.fill(many, point)
+    assert many[0].call.error == "" and f"more than {CLAMP_SLOTS} distinct features" in many[1].call.error
+    torch.testing.assert_close(tap(x)[:2], torch.cat([two[0].clamped(x[:1], tuple(range(40)), 1.0), x[1:2]]),
+                               rtol=1e-5, atol=1e-5)
