@@ -319,6 +319,9 @@ def test_the_compiled_clamp_tap_equals_the_eager_clamp_and_fails_only_a_call_pas
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     tap.reset(16)
     assert torch.equal(tap(x), x), "rows of calls that clamp nothing pass unchanged"
+    assert tap.fill(calls, point)  # the next step: the slots already hold these features
+    torch.testing.assert_close(tap(x), expected, rtol=1e-5, atol=1e-5)
+    tap.reset(16)
 
     two = [random_sae(d, 1, seed) for seed in (7, 8)]  # 40 features of each: 80 distinct pairs
     many = [active(S.Clamp(sae, list(range(40)), to=1.0), [i]) for i, sae in enumerate(two)]

@@ -110,7 +110,8 @@ def _clamps(static_writes: Any, dims) -> tuple[Any, tuple[Address, ...]]:
             problems.append(f"an SAE of {sae.reads} with activation={sae.activation}, normalize={sae.normalize}: "
                             "a compiled clamp encodes only the clamped features (relu or jumprelu, unnormalised)")
     if problems:
-        raise SpecError(fix("static_writes declares clamps the compiled graph cannot hold: " + "; ".join(problems) + ".",
+        raise SpecError(fix("static_writes declares clamps the compiled graph cannot hold: "
+                            + "; ".join(problems) + ".",
                             'declare a relu or jumprelu SAE of a residual-stream point, or use backend="vllm", '
                             "which clamps with any SAE per request."))
     return ([w for w in static_writes if not isinstance(w, SAE)],

@@ -26,6 +26,7 @@ class ClampTap:
         self.enc, self.bias, self.threshold = zeros(width, CLAMP_SLOTS), zeros(CLAMP_SLOTS), zeros(CLAMP_SLOTS)
         self.dec = zeros(CLAMP_SLOTS, width)
         self.count, self.target = zeros(rows, CLAMP_SLOTS), zeros(rows, CLAMP_SLOTS)
+        self.held: dict[int, tuple] = {}  # slot -> the (SAE, feature) its buffers hold: a decode step refills none
 
     def __call__(self, x: Tensor) -> Tensor:
         """The traced body: x (n, ...) with this step's clamps applied."""
@@ -38,13 +39,13 @@ class ClampTap:
     def fill(self, editing: list, address) -> bool:
         """Slots and rows for this step's calls that clamp at `address` (each an `Active`); a call whose features
         find no free slot fails alone (its rows count 0). True when any row clamps."""
-        slots: dict[tuple[int, int], int] = {}
+        slots: dict[tuple, int] = {}
         used = False
         for active in editing:
             for op in (o for o in active.call.ops[address] if isinstance(o, Clamp)):
                 mask = select(op.positions, active.step)
                 rows = active.rows if mask is None else active.rows[mask[0].to(active.rows.device)]
-                wanted = [(id(op.sae), f) for f in op.features]
+                wanted = [(_identity(op.sae), f) for f in op.features]
                 if len(slots.keys() | set(wanted)) > CLAMP_SLOTS:
                     active.call.fail(f"Clamp at {address}: this step's calls clamp more than {CLAMP_SLOTS} distinct "
                                      "features (the slots a vllm-static clamp tap holds); run fewer such calls at "
@@ -53,8 +54,10 @@ class ClampTap:
                     continue
                 for key, feature in zip(wanted, op.features):
                     if key not in slots:
-                        slots[key] = len(slots)
-                        self._slot(slots[key], op.sae, feature)
+                        slots[key] = j = len(slots)
+                        if self.held.get(j) != key:
+                            self._slot(j, op.sae, feature)
+                            self.held[j] = key
                     self.count[rows, slots[key]] += 1
                     self.target[rows, slots[key]] = op.to
                     used = used or len(rows) > 0
@@ -70,3 +73,9 @@ class ClampTap:
 
     def reset(self, n: int) -> None:
         self.count[:n].zero_()
+
+
+def _identity(sae) -> tuple:
+    """An SAE by content (its tensors' digests and what decides its activation), not by object."""
+    return (sae.W_enc.digest, sae.b_enc.digest, sae.W_dec.digest, sae.b_dec.digest,
+            sae.threshold.digest if sae.threshold is not None else None, sae.activation, sae.apply_b_dec_to_input)
