@@ -9,7 +9,7 @@ import torch
 from interp_engine import cache_helpers
 from interp_engine.addresses import Address
 from interp_engine.errors import PointError, fix
-from interp_engine.sae import Features
+from interp_engine.sae import Features, TopFeatures
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class Cache(Mapping):
     Rows are prompts; positions past a prompt's length (`lengths[i]`) are padding, filled with zeros.
     """
 
-    tensors: Mapping[Address | Features, torch.Tensor]
+    tensors: Mapping[Address | Features, torch.Tensor | TopFeatures]
     lengths: tuple[int, ...]
     n_layers: int
     model_name: str = ""
@@ -41,7 +41,7 @@ class Cache(Mapping):
                                  f"capture it: capture(model, tokens, [{str(address)!r}])."))
         return address
 
-    def __getitem__(self, key: "str | Address | Features") -> torch.Tensor:
+    def __getitem__(self, key: "str | Address | Features") -> "torch.Tensor | TopFeatures":
         return self.tensors[self._key(key)]
 
     def get_tensor(self, key: "str | Address") -> torch.Tensor:
@@ -64,6 +64,8 @@ class Cache(Mapping):
         """One tensor per prompt, cut to that prompt's length (both axes for attention patterns)."""
         address = self._key(key)
         t = self.tensors[address]
+        if isinstance(t, TopFeatures):
+            return [TopFeatures(t.values[i, :n], t.indices[i, :n]) for i, n in enumerate(self.lengths)]
         if address.info.pos_axis == 2:
             return [t[i, :, :n, :n] for i, n in enumerate(self.lengths)]
         return [t[i, :n] for i, n in enumerate(self.lengths)]
@@ -79,8 +81,9 @@ class Cache(Mapping):
         """The same cache on another device or in another dtype (a new Cache; this one is unchanged)."""
         if device is None and dtype is None:
             return self
-        return Cache({a: t.to(device=device, dtype=dtype) for a, t in self.tensors.items()}, self.lengths,
-                     self.n_layers, self.model_name)
+        return Cache({a: TopFeatures(t.values.to(device=device, dtype=dtype), t.indices.to(device=device))
+                      if isinstance(t, TopFeatures) else t.to(device=device, dtype=dtype)
+                      for a, t in self.tensors.items()}, self.lengths, self.n_layers, self.model_name)
 
     def __repr__(self) -> str:
         shapes = ", ".join(f"{a}: {tuple(t.shape)}" for a, t in self.tensors.items())

@@ -4,7 +4,8 @@
 when it does not, 2 for bad input (the error says the fix).
 
 `interp-engine harvest MODEL --points resid_post.10 --prompts FILE --out DIR` streams activations to sharded
-safetensors files (interp_engine.harvest); rerun it to resume. Exit status: 0 done, 2 bad input.
+safetensors files (interp_engine.harvest); rerun it to resume. With `--format saelens --context-size N` it writes
+the `datasets` folder SAELens trains from instead. Exit status: 0 done, 2 bad input.
 
 `interp-engine serve PATH --backend vllm ...` runs vLLM's OpenAI-compatible server with per-request specs and
 captures (interp_engine.serve).
@@ -62,6 +63,11 @@ def _harvest_parser(commands) -> None:
     harvest.add_argument("--chunk-prompts", type=int, default=256, help="prompts per capture call (256)")
     harvest.add_argument("--replicas", type=int, default=None,
                          help="engines harvesting in parallel as Ray actors (RAY_ADDRESS's cluster, else a local one)")
+    harvest.add_argument("--format", default="safetensors", choices=("safetensors", "saelens"),
+                         help="safetensors shards (default) or saelens: the datasets folder SAELens's "
+                              "cached_activations_path reads (needs --context-size)")
+    harvest.add_argument("--context-size", type=int, default=None, help="saelens: tokens per row (SAELens's "
+                                                                         "context_size)")
     harvest.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -84,7 +90,7 @@ def _harvest(args) -> int:
     try:
         done = harvest(model, args.prompts, points, args.out, shard_tokens=args.shard_tokens, dtype=args.dtype,
                        chunk_prompts=args.chunk_prompts, field=args.field, progress=not args.no_progress,
-                       replicas=args.replicas)
+                       replicas=args.replicas, format=args.format, context_size=args.context_size)
     except InterpEngineError as e:
         print(f"interp-engine harvest: {e}", file=sys.stderr)
         return 2

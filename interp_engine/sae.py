@@ -11,14 +11,14 @@ import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from interp_engine.addresses import Address, PointInfo
 from interp_engine.errors import InterpEngineError, SpecError, fix
-from interp_engine.tensor_data import SPEC_DTYPES, TensorData, shown
+from interp_engine.tensor_data import SPEC_DTYPES, TensorData, is_index, shown
 
 ACTIVATIONS = ("relu", "jumprelu", "topk")
 NORMALISATIONS = ("none", "constant_norm_rescale", "layer_norm")
@@ -109,6 +109,15 @@ class SAE:
         """What `capture` reads for this SAE's feature activations: `cache[sae.features]` is (batch, pos, d_sae)."""
         return Features(self)
 
+    def top_features(self, k: int) -> "Features":
+        """The sparse read of a wide SAE: `cache[sae.top_features(k)]` is a `TopFeatures` (values, indices), each
+        (batch, pos, k), `torch.topk(dense, k)` of the dense features. Ties (above all the zeros of features that
+        did not fire) come in torch.topk's order: where fewer than k fire, the trailing values are 0 and their
+        indices name some features that did not fire."""
+        if k is None:  # Features(sae, None) is the dense read: not what a call for the top k means
+            raise _bad_k(k, self.d_sae)
+        return Features(self, top_k=k)
+
     def encode(self, x: Tensor) -> Tensor:
         """Feature activations of `x` (..., d_in), in the SAE's dtype."""
         return self._act(self._pre(self._norm_in(x)[0]))
@@ -189,6 +198,11 @@ class SAE:
         `{digest}.{name}` as their identity and are not hashed again."""
         if not isinstance(d, Mapping):
             raise SpecError(fix(f"{what} is not an SAE dict.", "pass what Spec.to_dict() wrote, unchanged."))
+        if set(d) == {"ref"}:  # an SAE sent to this process once (backends/vllm/sae_refs.py)
+            if not isinstance(d["ref"], str) or d["ref"] not in KEPT:
+                raise SpecError(fix(f"{what} names SAE {shown(d['ref'])}, which this process was never sent.",
+                                    "send the SAE itself (Spec.to_dict() writes it whole)."))
+            return KEPT[d["ref"]]
         known = {*_TENSORS, "reads", "writes", "activation", "k", "normalize", "apply_b_dec_to_input"}
         if unknown := sorted(shown(k) for k in d if k not in known):
             raise SpecError(fix(f"{what} has unknown keys {', '.join(unknown)}.", f"an SAE dict holds {sorted(known)}."))
@@ -203,22 +217,65 @@ class SAE:
             raise SpecError(fix(f"{what} is malformed: {e}.", "pass what Spec.to_dict() wrote, unchanged.")) from None
 
 
+class TopFeatures(NamedTuple):
+    """A sparse feature read, in torch.topk's order (values, indices): values descending, both (batch, pos, k)."""
+
+    values: Tensor
+    indices: Tensor  # int64 feature indices
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+
 @dataclass(frozen=True, slots=True)
 class Features:
     """A read of an SAE's feature activations, for `capture(model, x, [sae.features])`: the SAE's point is read
-    and encoded in the caller's process (d_in values per position cross from a worker, not d_sae)."""
+    and encoded in the caller's process (d_in values per position cross from a worker, not d_sae). With `top_k`
+    (`sae.top_features(k)`) only each position's k largest are kept, encoded a slice of rows at a time, so the
+    dense (batch, pos, d_sae) tensor is never whole."""
 
     sae: SAE
+    top_k: int | None = None
+
+    def __post_init__(self):
+        if self.top_k is not None and not (is_index(self.top_k) and 1 <= self.top_k <= self.sae.d_sae):
+            raise _bad_k(self.top_k, self.sae.d_sae)
 
     @property
     def info(self) -> PointInfo:
-        return FEATURES
+        return FEATURES if self.top_k is None else TOP_FEATURES
+
+    def read(self, x: Tensor, valid: Tensor) -> "Tensor | TopFeatures":
+        """This read of a point's activations `x` (batch, pos, d_in); positions not `valid` (padding) read as
+        zero features."""
+        if self.top_k is None:
+            acts = self.sae.encode(x)
+            return torch.where(valid[..., None].to(acts.device), acts, 0.0)
+        rows, keep = x.reshape(-1, x.shape[-1]), valid.reshape(-1, 1).to(x.device)
+        step = max(1, _TOP_CHUNK // self.sae.d_sae)
+        parts = [torch.where(keep[i:i + step], self.sae.encode(rows[i:i + step]), 0.0).topk(self.top_k, dim=-1)
+                 for i in range(0, len(rows), step)]
+        shape = (*x.shape[:2], self.top_k)
+        return TopFeatures(torch.cat([p.values for p in parts]).reshape(shape),
+                           torch.cat([p.indices for p in parts]).reshape(shape))
 
     def __str__(self) -> str:
-        return f"features of {self.sae.reads} (d_sae={self.sae.d_sae}, W_enc {self.sae.W_enc.digest[:8]})"
+        which = "features" if self.top_k is None else f"top {self.top_k} features"
+        return f"{which} of {self.sae.reads} (d_sae={self.sae.d_sae}, W_enc {self.sae.W_enc.digest[:8]})"
 
+
+def _bad_k(k, d_sae: int) -> SpecError:
+    return SpecError(fix(f"top_features(k) needs k in 1..{d_sae} (this SAE's features), got {shown(k)}.",
+                         "pass a whole k, e.g. sae.top_features(32); sae.features reads them all."))
+
+
+# SAEs a vLLM worker holds for its engine's life, by `sae_refs.key`: tables name them by {"ref": key}.
+KEPT: dict[str, SAE] = {}
 
 FEATURES = PointInfo("features", ("batch", "pos", "d_sae"))
+TOP_FEATURES = PointInfo("top_features", ("batch", "pos", "top_features"))
+_TOP_CHUNK = 1 << 24  # dense features encoded at once by a sparse read: 64 MB of float32
 
 # Weights moved to an accelerator once per (digest, device), not per step: a 16x SAE of a 4096-wide model is 1 GB.
 _ON_DEVICE: dict[tuple[str, str], Tensor] = {}

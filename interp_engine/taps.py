@@ -1,4 +1,5 @@
-"""The taps a `vllm-static` engine is compiled with: which points it reads and which it writes.
+"""The taps a `vllm-static` engine is compiled with: which points it reads, which it writes, and where an SAE
+feature clamp is compiled in (`clamps`: declared with an SAE in static_writes; backends/vllm/static_clamp.py).
 
 They are fixed at load (they are part of the compiled graph), so every request is checked against them before
 it reaches the engine. Plain data: no torch, no vLLM.
@@ -14,6 +15,7 @@ PATTERNS = ("attn_scores", "attn_probs")
 # Always tapped: steer() and generate() read logits, which vLLM computes only at sampled rows, so every
 # engine keeps the final norm's output and the unembedding runs on it after the step.
 ALWAYS = (Address("final"), Address("logits"))
+CLAMP_SLOTS = 64  # distinct (SAE, feature) pairs a compiled clamp holds per step, over all the step's calls
 
 
 def declare(points: Any, n_layers: int, *, keyword: str) -> tuple[Address, ...]:
@@ -33,11 +35,12 @@ def declare(points: Any, n_layers: int, *, keyword: str) -> tuple[Address, ...]:
 class Taps:
     reads: tuple[Address, ...]
     writes: tuple[Address, ...]
+    clamps: tuple[Address, ...] = ()  # also in writes
 
     @classmethod
-    def of(cls, static_points: Any, static_writes: Any, n_layers: int) -> "Taps":
+    def of(cls, static_points: Any, static_writes: Any, n_layers: int, clamps: tuple[Address, ...] = ()) -> "Taps":
         reads = declare(static_points, n_layers, keyword="static_points")
-        writes = declare(static_writes, n_layers, keyword="static_writes")
+        writes = tuple(dict.fromkeys((*declare(static_writes, n_layers, keyword="static_writes"), *clamps)))
         eager_only = [str(a) for a in writes if a.info.eager_only_write or a.info.read_only]
         if eager_only:
             raise SpecError(fix(f"static_writes={eager_only}: these points can be written only on the eager backend.",
@@ -52,7 +55,7 @@ class Taps:
             raise SpecError(fix(f"static_points={hooked}: these points are recomputed per request by a hook, which "
                                 "taps compiled into the model do not run.",
                                 'drop them from static_points; read them with backend="vllm" (or "eager").'))
-        return cls(tuple(a for a in reads if a not in ALWAYS), writes)
+        return cls(tuple(a for a in reads if a not in ALWAYS), writes, tuple(dict.fromkeys(clamps)))
 
     def buffers(self) -> tuple[Address, ...]:
         """The points that get a read buffer: the declared reads, the final norm's output (logits come from
@@ -80,4 +83,5 @@ class Taps:
             "serves any point per request."))
 
     def to_config(self) -> dict:
-        return {"reads": [str(a) for a in self.reads], "writes": [str(a) for a in self.writes]}
+        return {"reads": [str(a) for a in self.reads], "writes": [str(a) for a in self.writes],
+                "clamps": [str(a) for a in self.clamps]}

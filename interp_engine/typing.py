@@ -12,7 +12,7 @@ read these hints at run time.
 import functools
 
 import torch
-from jaxtyping import Float, Int, Shaped
+from jaxtyping import Float, Int, Int64, Shaped
 from torch import Tensor
 
 from interp_engine.axes import AXES, MODEL_AXES, Axis
@@ -29,6 +29,8 @@ Logits = Float[Tensor, "batch pos d_vocab"]
 LogProbs = Float[Tensor, "layer batch pos d_vocab"]
 Scalar = Float[Tensor, ""]
 FeatureActs = Float[Tensor, "batch pos _d_sae"]  # an SAE's width, not the model's: `_` leaves it unbound
+TopFeatureActs = Float[Tensor, "batch pos _top_features"]
+TopFeatureIds = Int64[Tensor, "batch pos _top_features"]
 Vector = Float[Tensor, "..."]
 
 _BY_AXES = {tuple(hint.dim_str.split()): hint for hint in (Resid, Heads, KVHeads, VHeads, ZHeads, Pattern,
@@ -62,5 +64,6 @@ def bind_model(dims) -> None:
         raise ValueError(f"internal: the shape memo already holds sizes other than this model's {dims}")
 
 
-__all__ = ["Axis", "AXES", "MODEL_AXES", "Tokens", "Resid", "Heads", "KVHeads", "VHeads", "ZHeads", "Pattern", "MLPAct", "Logits",
-           "LogProbs", "Scalar", "FeatureActs", "Vector", "activation", "bind_model", "meta"]
+__all__ = ["Axis", "AXES", "MODEL_AXES", "Tokens", "Resid", "Heads", "KVHeads", "VHeads", "ZHeads", "Pattern", "MLPAct",
+           "Logits", "LogProbs", "Scalar", "FeatureActs", "TopFeatureActs", "TopFeatureIds", "Vector", "activation",
+           "bind_model", "meta"]

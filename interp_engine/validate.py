@@ -11,6 +11,7 @@ from interp_engine.arch.layers import lacking
 from interp_engine.errors import BackendError, InterpEngineError, PointError, SpecError, fix
 from interp_engine.sae import SAE, Features
 from interp_engine.spec import SPEC_DTYPES, Ablate, Add, Clamp, Custom, Patch, Positions, Scale, Set, Spec, Splice, shown
+from interp_engine.taps import CLAMP_SLOTS
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +128,26 @@ def _check_value(op, name: str, shape: tuple[int, ...], address: Address, feat: 
         remedy)))
 
 
+def _compiled_clamp(op, address: Address, taps) -> BackendError | None:
+    """Why vllm-static cannot run this Clamp or Splice inside its compiled graph (None: it can)."""
+    if isinstance(op, Clamp) and taps is not None and address in taps.clamps:
+        if op.sae.activation == "topk" or op.sae.normalize != "none":
+            return BackendError(fix(f"Clamp at {address} with a {op.sae.activation} SAE (normalize={op.sae.normalize}): "
+                                    "the compiled clamp encodes only the clamped features, unnormalised.",
+                                    'use a relu or jumprelu SAE, or backend="vllm".'))
+        if len(set(op.features)) > CLAMP_SLOTS:
+            return BackendError(fix(f"Clamp at {address} of {len(set(op.features))} features: the compiled clamp "
+                                    f"holds {CLAMP_SLOTS}.", f'clamp at most {CLAMP_SLOTS}, or use backend="vllm".'))
+        return None
+    declared = ", ".join(map(str, taps.clamps)) if taps is not None and taps.clamps else "none"
+    return BackendError(fix(
+        f"{type(op).__name__} at {address} encodes with an SAE, which a compiled tap's per-row (mul, add) cannot "
+        f"express; this engine compiles clamps at [{declared}] (Splice nowhere).",
+        'declare the SAE at load for a Clamp: load_model(..., backend="vllm-static", static_writes=[..., sae]); or '
+        'use backend="vllm" (per request) or "eager"; S.steer_feature(sae, i, scale) (an Add of a decoder row) '
+        "compiles."))
+
+
 def _check_sae(sae: SAE, address: Address, model, problems: list) -> None:
     """An SAE against the point it reads in this model: a per-position point, d_in values wide."""
     if address.info.pos_axis != 1:
@@ -235,11 +256,8 @@ def plan(model, spec: Spec, reads: Iterable[Address], *, n_prompts: int, longest
             if home is not None and home != address:
                 problems.append(SpecError(fix(f"{type(op).__name__} at {address}, but its SAE reads {home}.",
                                               f"leave point= unset: {type(op).__name__}(sae, ...) acts at the SAE's point.")))
-            if not capabilities.feature_edits:
-                problems.append(BackendError(fix(
-                    f"{type(op).__name__} at {address} encodes with an SAE, which a compiled tap's per-row "
-                    "(mul, add) cannot express.", 'use backend="vllm" (per request) or backend="eager"; '
-                    "S.steer_feature(sae, i, scale) (an Add of a decoder row) compiles.")))
+            if not capabilities.feature_edits and (refused := _compiled_clamp(op, address, taps)) is not None:
+                problems.append(refused)
             _check_sae(op.sae, address, model, problems)
         if isinstance(op, Add | Set | Patch):
             name = {Add: "vector", Set: "value", Patch: "source"}[type(op)]
@@ -259,6 +277,13 @@ def plan(model, spec: Spec, reads: Iterable[Address], *, n_prompts: int, longest
         _check_range(op, address, getattr(model, "dtype", None), problems)
         _check_positions(op.positions, address, n_prompts, longest, generating, problems)
         ops.setdefault(address, []).append(op)
+    if not capabilities.feature_edits:  # a compiled clamp runs after its point's (mul, add) tap
+        for address, listed in ops.items():
+            if any(isinstance(o, Clamp) for o in listed[:-1]):
+                problems.append(BackendError(fix(
+                    f"at {address} a Clamp comes before another op; vllm-static's compiled clamp runs after the "
+                    "point's other edits, one Clamp per call.", f"put one Clamp last among the ops at {address} "
+                    '(several features in one Clamp), or use backend="vllm".')))
     resolved_reads = []
     for address in reads:
         sae = address.sae if isinstance(address, Features) else None

@@ -14,9 +14,11 @@ REASONS = {
     "vllm-bnb": "vllm-bnb-plugin or bitsandbytes is not installed: bnb-4bit on vLLM 0.32 needs the out-of-tree "
                 "plugin (pip install --no-deps vllm-bnb-plugin bitsandbytes)",
     "ray": "Ray is not installed: scripts/setup.sh installs it (the ray extra); replicated harvests run on it",
+    "saelens": "datasets is not installed: harvest(format=\"saelens\") needs the saelens extra "
+               "(pip install -e '.[saelens]')",
     "slow": "INTERP_ENGINE_SLOW=1 is not set: vllm-static's per-family compile (about 50-70 s on 2 shared cores) "
-            "of the newer families, and two vLLM harvest replicas on Ray (about 150 s), run only with it (and in "
-            "validator/comparison/run_all_models.sh)",
+            "of the newer families, two vLLM harvest replicas on Ray (about 150 s) and SAEs on two-rank vllm and "
+            "vllm-static engines (about 2 min) run only with it (and in validator/comparison/run_all_models.sh)",
 }
 
 
@@ -27,6 +29,8 @@ def _available(name: str) -> bool:
         return importlib.util.find_spec(name) is not None
     if name == "bitsandbytes":
         return all(importlib.util.find_spec(m) is not None for m in ("bitsandbytes", "accelerate"))
+    if name == "saelens":
+        return importlib.util.find_spec("datasets") is not None
     if name == "slow":
         return os.environ.get("INTERP_ENGINE_SLOW") == "1"
     if name == "vllm-bnb":

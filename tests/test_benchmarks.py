@@ -55,3 +55,18 @@ def test_small_calls_quick_mode_times_each_backend_against_plain_prefill(tmp_pat
         (b, p) for b in small_calls.BACKENDS for p in ("capture_one_point", "capture_resid_post_all")}
     for row in rows:
         assert row["calls"] == 10 and row["p50_ms"] > 0 and row["plain_p50_ms"] > 0, row
+
+
+def test_sae_quick_mode_times_feature_capture_and_clamped_decode_on_eager(tmp_path):
+    """benchmarks/sae.py end to end on eager (vllm and vllm-static: one engine start each, run by hand)."""
+    out = tmp_path / "sae.json"
+    cmd = [sys.executable, "-m", "benchmarks.sae", "--quick", "--runs", "1", "--reps", "1", "--backends", "eager",
+           "--out", str(out)]
+    env = {**os.environ, "INTERP_ENGINE_BENCH_CACHE": str(tmp_path / "models")}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    summary = json.loads(out.read_text())["summary"]
+    assert {(s["path"], s["baseline"]) for s in summary} == {
+        ("capture_features", "capture_point"), ("capture_top_features", "capture_point"),
+        ("clamped_decode", "plain_decode")}
+    assert all(s["ratio"] > 0 and s["runs"] == 1 for s in summary)

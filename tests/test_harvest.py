@@ -235,6 +235,27 @@ def test_vllm_harvest_of_2000_prompts_is_bit_identical_to_capture(served, eager,
     assert served.runtime.worker_status() == [{"calls": 0, "hooks": 0}]
 
 
+@requires("vllm")
+@requires("saelens")
+def test_vllm_saelens_harvest_holds_each_window_as_eager_captures_it(served, eager, tmp_path):
+    """format="saelens" on vLLM: windows of 4 tokens (no partial one, so no warning), several per prompt, in
+    chunks queued behind each other; token_ids and the column against eager's capture of the same windows."""
+    import datasets
+
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 500, (4 * int(n),), generator=g).tolist()
+               for n in torch.randint(1, 4, (24,), generator=g)]
+    harvest(served, prompts, ["resid_post.1"], tmp_path / "acts", format="saelens", context_size=4, chunk_prompts=8,
+            progress=False)
+    windows = [p[i:i + 4] for p in prompts for i in range(0, len(p), 4)]
+    on_disk = datasets.load_from_disk(str(tmp_path / "acts"))
+    assert on_disk.data.column("token_ids").to_pylist() == windows
+    acts = on_disk.with_format("torch")[0:len(on_disk)]["blocks.1.hook_resid_post"]
+    expected = capture(eager("llama"), windows, ["resid_post.1"], progress=False)["resid_post.1"]
+    assert acts.shape == expected.shape and torch.allclose(acts, expected, rtol=1e-4, atol=1e-5)
+    assert served.runtime.worker_status() == [{"calls": 0, "hooks": 0}]
+
+
 def _planned(model, chunks):
     from interp_engine.func._prepare import prepare
 

@@ -98,3 +98,28 @@ def test_saelens_refusals_come_before_any_forward_and_all_at_once(eager, tmp_pat
         harvest(model, [[1, 2]], ["resid_post.0"], tmp_path / "full", format="saelens", context_size=2,
                 progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["full"]
+
+
+def test_the_cli_writes_the_saelens_folder_of_captured_windows(eager, tiny_path, tmp_path, capsys):
+    """`interp-engine harvest --format saelens --context-size N` on text prompts: token_ids are the prompts'
+    tokens cut into windows, and each column equals capture() of those windows on an eager handle of its own."""
+    from interp_engine.cli import main as cli
+
+    model = eager("llama")
+    texts = ["The quick brown fox jumps over the lazy dog again and again", "Paris is the capital of France, "
+             "and Berlin is the capital of Germany"]
+    (tmp_path / "p.txt").write_text("\n".join(texts) + "\n")
+    args = ["harvest", str(tiny_path("llama")), "--backend", "eager", "--device", "cpu", "--points",
+            "resid_post.1,blocks.0.hook_mlp_out", "--prompts", str(tmp_path / "p.txt"), "--no-progress"]
+    assert cli([*args, "--out", str(tmp_path / "bad"), "--context-size", "4"]) == 2
+    assert "context_size applies only" in capsys.readouterr().err and not (tmp_path / "bad").exists()
+    with pytest.warns(InterpEngineWarning, match="tokens not harvested"):
+        assert cli([*args, "--out", str(tmp_path / "acts"), "--format", "saelens", "--context-size", "4"]) == 0
+    windows = [ids[i:i + 4] for ids in map(model.tokenize, texts) for i in range(0, len(ids) - 3, 4)]
+    assert len(windows) > 4
+    on_disk = datasets.load_from_disk(str(tmp_path / "acts"))
+    assert on_disk.data.column("token_ids").to_pylist() == windows
+    expected = capture(model, windows, ["resid_post.1", "mlp_out.0"], progress=False)
+    for point, column in (("resid_post.1", "blocks.1.hook_resid_post"), ("mlp_out.0", "blocks.0.hook_mlp_out")):
+        acts, _ = _load_like_saelens(str(tmp_path / "acts"), column, 4, model.d_model, torch.float32)
+        torch.testing.assert_close(acts, expected[point], rtol=1e-4, atol=1e-5)  # another handle: rounding

@@ -93,6 +93,33 @@ def test_feature_reads_equal_a_hand_written_encode_of_hf_hidden_states(model, sa
             assert not acts[i, len(ids):].any(), "padding must read as zero features"
 
 
+def test_top_features_equal_torch_topk_of_a_hand_written_encode(model, saes, hf_reference, monkeypatch):
+    """The sparse read against torch.topk of the hand-written dense encode of HF's hidden states, encoded a few
+    rows at a time (the chunk shrunk so that a prompt spans several); padding reads as zero values."""
+    import interp_engine.sae as sae_module
+
+    sae, a = saes["relu"]
+    k, top = 8, sae.top_features(8)
+    monkeypatch.setattr(sae_module, "_TOP_CHUNK", 3 * sae.d_sae)
+    cache = capture(model, PROMPTS, [top], progress=False)
+    values, indices = cache[top]
+    width = max(len(model.tokenize(p)) for p in PROMPTS)
+    assert values.shape == indices.shape == (3, width, k) and indices.dtype == torch.int64
+    for i, prompt in enumerate(PROMPTS):
+        ids = model.tokenize(prompt)
+        dense = torch.from_numpy(_hand_encode(_hidden(hf_reference("llama"), ids), a, "relu", b_dec_in=True))
+        expected = dense.topk(k, dim=-1)
+        assert (expected.values > 0).sum() > len(ids), "a read where nothing fires checks no index"
+        torch.testing.assert_close(values[i, :len(ids)], expected.values, rtol=1e-4, atol=1e-4)
+        fired = expected.values > 0  # a zero's index is torch.topk's pick among the features that did not fire
+        assert torch.equal(indices[i, :len(ids)][fired], expected.indices[fired])
+        assert not values[i, len(ids):].any(), "padding must read as zero features"
+        again = cache.unpadded(top)[i]
+        assert torch.equal(again.indices, indices[i, :len(ids)]) and again.shape == (len(ids), k)
+    half = cache.to(dtype=torch.float16)[top]
+    assert half.values.dtype == torch.float16 and half.indices.dtype == torch.int64
+
+
 def test_a_spec_with_an_sae_round_trips_through_json_by_content(saes):
     sae = saes["jumprelu"][0]
     spec = S.Clamp(sae, [3, 5], to=4.0) + S.Splice(sae, error=True)
@@ -101,6 +128,10 @@ def test_a_spec_with_an_sae_round_trips_through_json_by_content(saes):
     other = S.Clamp(SAE(sae.W_enc.tensor + 1e-3, sae.b_enc, sae.W_dec, sae.b_dec, sae.reads, "jumprelu",
                         sae.threshold), [3, 5], to=4.0)
     assert S.Spec((other,)).fingerprint() != S.Spec((spec.ops[0],)).fingerprint()
+    by_reference = spec.to_dict()
+    by_reference["ops"][0]["sae"] = {"ref": "0" * 32}  # what a vLLM table holds: only a worker was sent it
+    with pytest.raises(SpecError, match="(?s)names SAE '0+\.\.\.0+', which this process was never sent.*Fix"):
+        S.Spec.from_dict(by_reference)
 
 
 def _hooked_logits(hf, ids, edit) -> torch.Tensor:
@@ -183,7 +214,7 @@ def test_steer_feature_adds_the_decoder_row(model, saes):
     assert op == S.Add(f"resid_post.{LAYER}", sae.W_dec.tensor[9], scale=3.0)
 
 
-def test_bad_saes_and_ops_are_refused_before_any_forward_with_the_fix(model, saes):
+def test_bad_saes_and_ops_are_refused_before_any_forward_with_the_fix(model, saes, eager):
     d, sae = model.d_model, saes["jumprelu"][0]
     w = dict(W_enc=torch.randn(d, 16), b_enc=torch.zeros(16), W_dec=torch.randn(16, d), b_dec=torch.zeros(d))
     with pytest.raises(SpecError, match="(?s)swish.*use one of relu, jumprelu, topk"):
@@ -192,6 +223,9 @@ def test_bad_saes_and_ops_are_refused_before_any_forward_with_the_fix(model, sae
         SAE(**w, reads="resid_post.0", activation="jumprelu")
     with pytest.raises(SpecError, match="topk needs k"):
         SAE(**w, reads="resid_post.0", activation="topk")
+    for k in (0, 17, 2.5, True, None):
+        with pytest.raises(SpecError, match=r"(?s)top_features\(k\) needs k in 1..16.*Fix"):
+            SAE(**w, reads="resid_post.0").top_features(k)
     with pytest.raises(SpecError, match=r"features \[16\] do not exist: this SAE has 16 features"):
         S.Clamp(SAE(**w, reads="resid_post.0"), [16], to=1.0)
     transcoder = SAE(torch.randn(model.dims.d_mlp, 16), torch.zeros(16), torch.randn(16, d), torch.zeros(d),
@@ -211,6 +245,9 @@ def test_bad_saes_and_ops_are_refused_before_any_forward_with_the_fix(model, sae
             steer(model, PROMPTS, S.Clamp(wide, [0], to=1.0) + S.Splice(pattern), progress=False)
         with pytest.raises(InterpEngineError, match="resid_post.9 does not exist"):
             capture(model, PROMPTS, [SAE(**w, reads="resid_post.9").features], progress=False)
+        with pytest.raises(SpecError, match="(?s)a top-k read is a selection.*wrt=\\[sae.features\\]"):
+            run_with_grad(eager("llama", grad=True), PROMPTS, loss=lambda logits: logits.sum(),
+                          wrt=[sae.top_features(2)])
         with pytest.raises(SpecError, match="leave point= unset"):
             steer(model, PROMPTS, S.Clamp(sae, [0], point="resid_post.0"), progress=False)
     finally:
@@ -249,3 +286,46 @@ def test_damaged_sae_files_are_refused_with_the_fix(tmp_path):
         with pytest.raises(SpecError, match=what) as info:
             load_sae(path, reads="resid_post.1")
         assert "Fix:" in str(info.value), path
+
+
+def test_the_compiled_clamp_tap_equals_the_eager_clamp_and_fails_only_a_call_past_its_slots():
+    """static_clamp.ClampTap (the body vllm-static traces) on CPU, against SAE.clamped (eager's, checked against
+    HF hooks above): relu with b_dec subtracted, jumprelu and a last-position clamp, three calls in one step;
+    then a call whose features find no free slot fails alone."""
+    from interp_engine.backends.vllm.static_clamp import ClampTap
+    from interp_engine.backends.vllm.worker import Active, WorkerCall
+    from interp_engine.edits import Step
+    from interp_engine.taps import CLAMP_SLOTS
+
+    d, point = 16, S.Address("resid_post", 1)
+    saes = (random_sae(d, 1, 5, apply_b_dec_to_input=True),
+            random_sae(d, 1, 6, activation="jumprelu", threshold=torch.full((4 * d,), 0.1)))
+    ops = (S.Clamp(saes[0], [3, 7], to=4.0), S.Clamp(saes[1], [7, 9], to=-2.0),
+           S.Clamp(saes[0], [7], to=9.0, positions=[-1]))
+    x = torch.randn(9, d, generator=torch.Generator().manual_seed(0))
+
+    def active(op, rows):
+        n = len(rows)
+        step = Step(torch.arange(n)[None], torch.tensor([[n - 1]]), torch.tensor([[n]]), torch.zeros(1, n, dtype=torch.long))
+        return Active(WorkerCall({point: (op,)}, frozenset()), torch.tensor(rows), step)
+
+    calls = [active(op, rows) for op, rows in zip(ops, ([0, 1, 2], [3, 4, 5, 6], [7, 8]))]
+    tap = ClampTap(16, d, "cpu")
+    assert tap.fill(calls, point)
+    out = tap(x)
+    assert not torch.allclose(out, x, atol=1e-3)
+    expected = torch.cat([saes[0].clamped(x[:3], (3, 7), 4.0), saes[1].clamped(x[3:7], (7, 9), -2.0),
+                          x[7:8], saes[0].clamped(x[8:], (7,), 9.0)])
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    tap.reset(16)
+    assert torch.equal(tap(x), x), "rows of calls that clamp nothing pass unchanged"
+    assert tap.fill(calls, point)  # the next step: the slots already hold these features
+    torch.testing.assert_close(tap(x), expected, rtol=1e-5, atol=1e-5)
+    tap.reset(16)
+
+    two = [random_sae(d, 1, seed) for seed in (7, 8)]  # 40 features of each: 80 distinct pairs
+    many = [active(S.Clamp(sae, list(range(40)), to=1.0), [i]) for i, sae in enumerate(two)]
+    assert tap.fill(many, point)
+    assert many[0].call.error == "" and f"more than {CLAMP_SLOTS} distinct features" in many[1].call.error
+    torch.testing.assert_close(tap(x)[:2], torch.cat([two[0].clamped(x[:1], tuple(range(40)), 1.0), x[1:2]]),
+                               rtol=1e-5, atol=1e-5)

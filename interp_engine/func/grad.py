@@ -47,6 +47,11 @@ def run_with_grad(model: ModelHandle, tokens: PromptsLike, spec: Spec | Op | Seq
     require_points(wrt, "run_with_grad", "wrt")
     wanted = [wrt] if isinstance(wrt, str | Address | Features) else list(wrt)
     features = [w for w in wanted if isinstance(w, Features)]
+    sparse = [str(f) for f in features if f.top_k is not None]
+    if sparse:
+        raise SpecError(fix(f"gradients with respect to {', '.join(sparse)}: a top-k read is a selection, which "
+                            "has no gradient of its own.", "take wrt=[sae.features] and index the gradient with "
+                            "the indices a capture of sae.top_features(k) returns."))
     scaled = [str(f) for f in features if f.sae.normalize != "none"]
     if scaled:
         raise SpecError(fix(f"gradients with respect to {', '.join(scaled)}: its input normalisation depends on "

@@ -19,8 +19,9 @@ from torch import Tensor
 
 from interp_engine.cache import Cache
 from interp_engine.errors import ResultTypeError, fix
-from interp_engine.sae import Features
-from interp_engine.typing import MODEL_AXES, FeatureActs, activation, bind_model, meta
+from interp_engine.sae import Features, TopFeatures
+from interp_engine.typing import (MODEL_AXES, FeatureActs, TopFeatureActs, TopFeatureIds, activation, bind_model,
+                                  meta)
 
 _BATCH = Shaped[Tensor, "batch"]
 
@@ -88,6 +89,13 @@ def _check_cache(cache, model, what: str) -> None:
         isinstance(meta((len(cache.lengths),)), _BATCH)
         verified = set()
         for address, t in cache.tensors.items():
+            if isinstance(address, Features) and address.top_k is not None:
+                if not (isinstance(t, TopFeatures) and isinstance(t.values, TopFeatureActs)
+                        and isinstance(t.indices, TopFeatureIds)
+                        and t.values.shape == t.indices.shape and t.shape[-1] == address.top_k):
+                    _refuse(f"{what}[{address}]", _shown(t), f"TopFeatures (k={address.top_k}, int64 indices)",
+                            "its parts' shapes or dtypes are not a top-k read's", model)
+                continue
             if isinstance(address, Features):  # d_sae is the SAE's own, not the model's: checked here, not bound
                 if not isinstance(t, FeatureActs) or t.shape[-1] != address.sae.d_sae:
                     _refuse(f"{what}[{address}]", _shown(t), f"FeatureActs (d_sae={address.sae.d_sae})",

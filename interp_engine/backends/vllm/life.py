@@ -42,6 +42,7 @@ class EngineLife:
     def __init__(self, llm, procs: list, name: str, sockets: str | None = None):
         self.llm, self.procs, self.name, self.sockets = llm, list(procs), name, sockets
         self.fault: str | None = None
+        self.saes: set[str] = set()  # SAEs its workers hold (sae_refs.py)
         self.send_lock = threading.RLock()  # one message at a time to the engine core, probes included
         self._state = threading.Lock()
         self._waiting = 0  # calls now blocked on the engine

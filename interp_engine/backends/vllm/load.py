@@ -9,11 +9,13 @@ import torch
 
 from interp_engine import quantization as Q
 from interp_engine import vllm_args
+from interp_engine.addresses import Address
 from interp_engine.arch import arch_for, read_cfg, read_dims
 from interp_engine.backends.vllm.capabilities import for_handle
 from interp_engine.errors import BackendError, PointError, SpecError, fix
 from interp_engine.handle import ModelHandle
 from interp_engine.load_guards import load_tokenizer
+from interp_engine.sae import SAE
 from interp_engine.selection import BackendSelection, Hardware, vllm_installed, vllm_support
 from interp_engine.taps import Taps
 
@@ -66,7 +68,8 @@ def load(repo_id: str, source: str, config, selection: BackendSelection, hardwar
             "with a table.", 'use backend="vllm" (any of those points per request) or backend="eager".'))
     dims = read_dims(config, arch)
     cfg = read_cfg(config, arch, dims)
-    taps = Taps.of(static_points, static_writes, dims.n_layers) if capabilities.declares_taps else None
+    writes, clamps = _clamps(static_writes, dims)
+    taps = Taps.of(static_points, writes, dims.n_layers, clamps) if capabilities.declares_taps else None
     lacking = sorted({a.point for a in (*taps.reads, *taps.writes) if arch.lacks(a.point)} if taps else set())
     if lacking:
         raise PointError("; ".join(f"{p} cannot be declared for {str(repo_id)!r}: {arch.lacks(p)}" for p in lacking))
@@ -89,3 +92,27 @@ def load(repo_id: str, source: str, config, selection: BackendSelection, hardwar
     return ModelHandle(name=str(repo_id), backend=backend, device=selection.device, dtype=selection.dtype,
                        attn_implementation="vllm", requires_grad=False, arch=arch, dims=dims, cfg=cfg, runtime=runtime,
                        taps=taps)
+
+
+def _clamps(static_writes: Any, dims) -> tuple[Any, tuple[Address, ...]]:
+    """`static_writes` without its SAEs, and the points those SAEs declare a compiled clamp at
+    (backends/vllm/static_clamp.py): relu or jumprelu, no input normalisation, at a residual-stream point (whole
+    on every rank)."""
+    if not isinstance(static_writes, list | tuple) or not any(isinstance(w, SAE) for w in static_writes):
+        return static_writes, ()
+    problems = []
+    for sae in (w for w in static_writes if isinstance(w, SAE)):
+        point = sae.reads.resolve(dims.n_layers)
+        if point.info.axes != ("batch", "pos", "d_model") or sae.d_in != dims.d_model or sae.writes is not None:
+            problems.append(f"an SAE of {sae.reads} (d_in={sae.d_in}, d_out={sae.d_out}): compiled clamps sit at "
+                            f"residual-stream points (d_model={dims.d_model} wide, whole on every rank)")
+        if sae.activation == "topk" or sae.normalize != "none":
+            problems.append(f"an SAE of {sae.reads} with activation={sae.activation}, normalize={sae.normalize}: "
+                            "a compiled clamp encodes only the clamped features (relu or jumprelu, unnormalised)")
+    if problems:
+        raise SpecError(fix("static_writes declares clamps the compiled graph cannot hold: "
+                            + "; ".join(problems) + ".",
+                            'declare a relu or jumprelu SAE of a residual-stream point, or use backend="vllm", '
+                            "which clamps with any SAE per request."))
+    return ([w for w in static_writes if not isinstance(w, SAE)],
+            tuple(w.reads.resolve(dims.n_layers) for w in static_writes if isinstance(w, SAE)))

@@ -21,7 +21,7 @@ from torch import Tensor
 from interp_engine.addresses import Address
 from interp_engine.arch import Arch, Dims
 from interp_engine.backends.base import TokenizerRuntime
-from interp_engine.backends.vllm import compat, engine, wire
+from interp_engine.backends.vllm import compat, engine, sae_refs, wire
 from interp_engine.backends.vllm.capabilities import for_handle
 from interp_engine.backends.vllm.compat import resource_tracker_pid
 from interp_engine.backends.vllm.life import EngineLife, shut_down_error
@@ -321,10 +321,10 @@ class VllmRuntime(TokenizerRuntime):
         if self._attached is not life.llm:
             self._rpc(wire.ATTACH)
             self._attached = life.llm
+        compiled = sae_refs.by_reference(spec, compiled, life.saes, lambda saes: self._rpc(wire.PUT_SAES, saes))
         return wire.table(call, compiled, key, reads, width=width, lens=lens, prompts=prompts)
 
-    def weights(self):
-        return fetch_weights(self)  # TransformerLens-shaped, from the workers once per engine
+    weights = fetch_weights  # TransformerLens-shaped, from the workers once per engine
 
     def worker_status(self) -> list[dict]:
         tabled = self.capabilities.points  # vllm-generate installs nothing

@@ -6,7 +6,8 @@ ops only, on buffers allocated once, so it is traced into the graph and replayed
 
 - a read copies the activation into a persistent buffer, `buf[:n].copy_(x)`;
 - a write is `x * mul[:n] + add[:n]`, with every op of every request turned into per-row `mul`/`add` by
-  `edits.affine` (identity rows for requests that do not edit there).
+  `edits.affine` (identity rows for requests that do not edit there);
+- at a point declared with an SAE, a Clamp's features then move by their slots' buffers (`static_clamp.py`).
 
 No Python runs inside the model per step. Around each forward (in the runner's `_model_forward`, outside the
 graph) the host fills the write buffers for this step's rows and, afterwards, copies out the rows of the calls
@@ -26,10 +27,12 @@ from torch import Tensor
 from interp_engine.addresses import Address
 from interp_engine.backends.vllm import compat, wire
 from interp_engine.backends.vllm.patterns import record_patterns
+from interp_engine.backends.vllm.static_clamp import ClampTap
 from interp_engine.backends.vllm.sites import FINAL, LAYER_SITES, LOGITS, MODEL_SITES, Site, module_of, register
 from interp_engine.backends.vllm.derived import expert_weights
 from interp_engine.backends.vllm.worker import InterpExtension, StepState, WorkerCall, layout_of
 from interp_engine.edits import affine, failure
+from interp_engine.spec import Clamp
 from interp_engine.taps import PATTERNS, Taps
 
 CONFIG_KEY = wire.CONFIG_KEY
@@ -53,12 +56,15 @@ def worker_cls(cuda: bool) -> str:
     return f"{__name__}.{'GPU' if cuda else 'CPU'}StaticWorker"
 
 
-def _tap(read: Tensor | None, mul: Tensor | None, add: Tensor | None) -> Callable[[Tensor], Tensor]:
+def _tap(read: Tensor | None, mul: Tensor | None, add: Tensor | None,
+         clamp: ClampTap | None = None) -> Callable[[Tensor], Tensor]:
     """A tap body: tensor ops on persistent buffers, nothing else, so the compiler traces it in."""
     def tap(x: Tensor) -> Tensor:
         n = x.shape[0]
         if mul is not None:
             x = x * mul[:n].view(x.shape) + add[:n].view(x.shape)
+        if clamp is not None:
+            x = clamp(x)
         if read is not None:
             read[:n].copy_(x.reshape(n, -1))
         return x
@@ -86,7 +92,9 @@ class StaticTaps:
         # Sorted: every rank walks them in the same order, so the gathers after a step pair up.
         self.reads = {a: make(a, 0.0) for a in taps.buffers()}
         self.writes = {a: (make(a, 1.0), make(a, 0.0)) for a in sorted(taps.writes)}
-        bodies = {a: _tap(self.reads.get(a), *self.writes.get(a, (None, None))) for a in self.reads.keys() | self.writes}
+        self.clamps = {a: ClampTap(rows, shards.local_width(a.point, self.d_model), device) for a in taps.clamps}
+        bodies = {a: _tap(self.reads.get(a), *self.writes.get(a, (None, None)), self.clamps.get(a))
+                  for a in self.reads.keys() | self.writes}
         self.handles = []
         for i, layer in enumerate(layers):
             for site in LAYER_SITES:
@@ -111,6 +119,8 @@ class StaticTaps:
             for mul, add in dirty:
                 mul[:n].fill_(1.0)
                 add[:n].zero_()
+            for clamp in self.clamps.values():
+                clamp.reset(n)
         self._read(n)
         return out
 
@@ -123,8 +133,12 @@ class StaticTaps:
             shape = self.shards.shape(address.point, self.d_model)
             full_mul = torch.ones((n, *shape), dtype=mul.dtype, device=mul.device)
             full_add = torch.zeros_like(full_mul)
+            if address in self.clamps:
+                self.clamps[address].fill(editing, address)
             for active in editing:
-                ops = active.call.ops[address]
+                ops = [op for op in active.call.ops[address] if not isinstance(op, Clamp)]  # the clamp tap's
+                if not ops:
+                    continue
                 like = full_mul.new_zeros((1, len(active.rows), *full_mul.shape[1:]))
                 try:  # contained to this call (its rows stay identity; no collective in here): WorkerCall.fail
                     m, a = affine(ops, like, address.info, active.step)
@@ -198,7 +212,7 @@ class StaticExtension(InterpExtension):
         config = compat.additional_config(self).get(CONFIG_KEY)
         if config is None:  # pragma: no cover - the driver always sends it
             raise RuntimeError(f"{type(self).__name__} needs additional_config[{CONFIG_KEY!r}] (its taps)")
-        taps = Taps(tuple(map(Address.parse, config["reads"])), tuple(map(Address.parse, config["writes"])))
+        taps = Taps(*(tuple(map(Address.parse, config[k])) for k in ("reads", "writes", "clamps")))
         runner = self.model_runner
         self._ie_static = StaticTaps(runner, taps, self._ie_calls())
         compat.wrap_model_forward(runner, self._ie_forward)

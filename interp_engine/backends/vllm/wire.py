@@ -36,7 +36,8 @@ COLLECT = "ie_collect"
 RELEASE = "ie_release"
 STATUS = "ie_status"
 WEIGHTS = "ie_weights"  # backends/vllm/weights.py
-METHODS = (ATTACH, COLLECT, RELEASE, STATUS, WEIGHTS)
+PUT_SAES = "ie_put_saes"  # SAEs sent once per engine, named by reference in tables (sae_refs.py)
+METHODS = (ATTACH, COLLECT, RELEASE, STATUS, WEIGHTS, PUT_SAES)
 
 ERROR = "interp_engine_error"  # a failed call's COLLECT answer: the message the driver raises
 IN_SPEC = "in_spec"  # ...and whether an op failed (SpecError) rather than a read (BackendError)

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from interp_engine.addresses import Address
-from interp_engine.backends.vllm import compat, wire
+from interp_engine.backends.vllm import compat, sae_refs, wire
 from interp_engine.backends.vllm.derived import expert_weights, head_results, record, routing_of
 from interp_engine.backends.vllm.patterns import record_patterns
 from interp_engine.backends.vllm.shards import Shards
@@ -99,6 +99,9 @@ class InterpExtension(WeightsExtension):
             compat.wrap_model_forward(self.model_runner, self._ie_forward)
             self._ie_attached = True
         return True
+
+    def ie_put_saes(self, saes: dict) -> bool:
+        return sae_refs.keep(saes)  # SAEs later tables name by reference
 
     def ie_collect(self, call_id: str, path: str = "", host: str = "") -> bytes | str:
         """A call's results, and its removal (generation; a prefill call not handed back). Rank 0 answers, other
