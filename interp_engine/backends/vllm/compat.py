@@ -220,6 +220,11 @@ def wrap_model_forward(runner, around: Callable) -> None:
     runner._model_forward = model_forward
 
 
+def joined_additional_config(args, ours: dict) -> dict:
+    """The server's parsed `--additional-config` with ours (vllm-static's taps) over it."""
+    return {**(args.additional_config or {}), **ours}
+
+
 def additional_config(worker) -> dict:
     return worker.vllm_config.additional_config or {}
 

@@ -29,7 +29,7 @@ def engine_args(handle, vllm_argv: list[str]):
         kwargs.pop(name)
     for name, value in kwargs.items():
         if name == "additional_config":  # vllm-static's taps, which key its compile cache, join the user's
-            value = {**(args.additional_config or {}), **value}
+            value = compat.joined_additional_config(args, value)
         if name in ("worker_extension_cls", "worker_cls", "enforce_eager", "additional_config") or \
                 getattr(args, name, None) == parser.get_default(name):
             setattr(args, name, value)
