@@ -24,7 +24,9 @@ sigmoid); `expert_weights` each expert's weight as it multiplies that expert's o
 to the residual stream, the routed experts' weighted sum plus the shared experts' output.
 """
 
-from interp_engine.arch import Arch, Moe, VllmLayout
+import dataclasses
+
+from interp_engine.arch import Moe, VllmLayout, llama
 
 # Where the points would sit in vLLM 0.32's deepseek_v2.py (DeepseekV3ForCausalLM): checked against its module tree
 # (tests/test_deepseek.py builds it on the meta device), not served. Its layers take (positions, hidden, residual)
@@ -37,21 +39,13 @@ VLLM_UNSERVED = VllmLayout(layers="model.layers", final_norm="model.norm", o_pro
                            attn_out="self_attn", mlp_out="mlp", mlp_down="mlp.down_proj",
                            mid_norm="post_attention_layernorm", router="mlp.gate")
 
-ARCHES = (Arch(
+# Llama's module paths (its dense layers' MLP too: layers.py leaves them out of the MoE layers), with latent
+# attention and experts on top, and no vLLM layout.
+ARCHES = (dataclasses.replace(
+    llama.ARCHES[0],
     family="deepseek_v3",
     model_types=("deepseek_v3",),  # Kimi-K2 reads as deepseek_v3 (arch/aliases.py)
-    layers="model.layers",
-    final_norm="model.norm",
-    unembed="lm_head",
-    attention="self_attn",
-    attn_out="self_attn",
-    mlp_out="mlp",
-    # The dense layers' MLP (layers.py leaves them out of the MoE layers).
-    mlp_pre="mlp.gate_proj",
-    mlp_up="mlp.up_proj",
-    mlp_down="mlp.down_proj",
-    mid_norm="post_attention_layernorm",
-    d_mlp_keys=("intermediate_size",),
+    vllm=None,
     moe=Moe(router="mlp.gate", n_experts_key="n_routed_experts", renormalize="norm_topk_prob", grouped=True,
             dense_first_key="first_k_dense_replace"),
     d_head_keys=("qk_head_dim",),
