@@ -270,26 +270,27 @@ def _bad_k(k, d_sae: int) -> SpecError:
                          "pass a whole k, e.g. sae.top_features(32); sae.features reads them all."))
 
 
-# SAEs a vLLM worker holds for its engine's life, by `sae_refs.key`: tables name them by {"ref": key}.
+# SAEs a vLLM worker holds, by `sae_refs.key`, until the driver evicts them: tables name them by {"ref": key}.
 KEPT: dict[str, SAE] = {}
 
 FEATURES = PointInfo("features", ("batch", "pos", "d_sae"))
 TOP_FEATURES = PointInfo("top_features", ("batch", "pos", "top_features"))
 _TOP_CHUNK = 1 << 24  # dense features encoded at once by a sparse read: 64 MB of float32
 
-# Weights moved to an accelerator once per (digest, device), not per step: a 16x SAE of a 4096-wide model is 1 GB.
-_ON_DEVICE: dict[tuple[str, str], Tensor] = {}
+# Weights moved to an accelerator once per (digest, device), not per step: a 16x SAE of a 4096-wide model is 1 GB
+# (an evicted SAE's leave with it: sae_refs.keep).
+ON_DEVICE: dict[tuple[str, str], Tensor] = {}
 
 
 def on_device(t: TensorData, device: torch.device) -> Tensor:
     if device.type == "cpu":
         return t.tensor
     key = (t.digest, str(device))
-    if key not in _ON_DEVICE:
-        while len(_ON_DEVICE) >= 16:
-            _ON_DEVICE.pop(next(iter(_ON_DEVICE)))
-        _ON_DEVICE[key] = t.tensor.to(device)
-    return _ON_DEVICE[key]
+    if key not in ON_DEVICE:
+        while len(ON_DEVICE) >= 16:
+            ON_DEVICE.pop(next(iter(ON_DEVICE)))
+        ON_DEVICE[key] = t.tensor.to(device)
+    return ON_DEVICE[key]
 
 
 def flat(x: Tensor) -> Tensor:

@@ -83,7 +83,7 @@ def test_worker_rpcs_are_named_methods_with_data_arguments():
         if name == "collective_rpc":
             assert isinstance(node.args[0], ast.Name) and node.args[0].id == "method"
     assert set(names) == {"ie_attach", "ie_collect", "ie_release", "ie_status", "ie_weights",
-                          "ie_put_saes"} == set(wire.METHODS)
+                          "ie_put_saes", "ie_saes"} == set(wire.METHODS)
 
 
 # ------------------------------------------------------------------------------------- specs from disk

@@ -22,11 +22,12 @@ import torch
 
 from interp_engine import Spec, client, load_model
 from interp_engine import spec as S
+from interp_engine.backends.vllm import sae_refs
 from interp_engine.errors import InterpEngineError
 from interp_engine.func.capture import capture
 from interp_engine.func.generate import generate
 from interp_engine.func.lens import logit_lens
-from tests.conftest import no_child_survives
+from tests.conftest import no_child_survives, random_sae
 from tests.skips import requires
 
 pytestmark = requires("vllm")
@@ -44,6 +45,7 @@ def _vector(seed: int, scale: float = 4.0) -> torch.Tensor:
 
 
 DEFAULT = S.Add("resid_post.0", _vector(99))  # the server's --default-spec
+SAE_BOUND = 2 * sae_refs.size(random_sae(128, 1, 0))  # the server's INTERP_ENGINE_SAE_BYTES: two SAEs
 
 
 def _free_port() -> int:
@@ -61,7 +63,7 @@ def server(tiny_path, tmp_path_factory):
     default.write_text(json.dumps(Spec((DEFAULT,)).to_dict()))
     (default.parent / "chat.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     with no_child_survives():
-        yield from _served(path, default, tmp_path_factory)
+        yield from _served(path, default, tmp_path_factory, env={sae_refs.BOUND_ENV: str(SAE_BOUND)})
 
 
 @pytest.fixture(scope="module")
@@ -201,6 +203,29 @@ def test_chat_and_streaming_are_steered(server, api, eager):
     assert [t for chunk in stream for c in chunk.choices for t in (getattr(c, "token_ids", None) or [])] == whole[0]
 
 
+def test_saes_cross_to_the_worker_once_and_leave_it_past_the_bound(server, api, eager):
+    """Four concurrent requests with one SAE, then a fifth: the worker was sent it once (its own count). Two more
+    SAEs in turn push it out (the server's bound holds two), and the next request naming it puts it again. Every
+    response equals offline generate."""
+    saes = [random_sae(128, 1, 40 + i) for i in range(3)]
+    specs = [S.Clamp(sae, [3, 7], to=20.0) for sae in saes]
+    expected = [_offline(eager, spec) for spec in specs]
+    assert expected[0] != _offline(eager, None), "the clamp must change the tokens"
+    [before] = _held(server, "ie_saes")
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda _: _complete(api, server, PROMPTS, specs[0])[0], range(4)))
+    assert got == [expected[0]] * 4
+    assert _complete(api, server, PROMPTS, specs[0])[0] == expected[0]
+    [held] = _held(server, "ie_saes")
+    assert held["puts"] - before["puts"] == 1 and held["saes"] == [sae_refs.key(saes[0])]
+    for spec, tokens in zip([*specs[1:], specs[0]], [*expected[1:], expected[0]]):
+        assert _complete(api, server, PROMPTS, spec)[0] == tokens
+        [held] = _held(server, "ie_saes")
+        assert held["bytes"] <= SAE_BOUND, held
+    assert held["puts"] - before["puts"] == 4, "the first SAE was evicted by the third and put again"
+    assert held["saes"] == sorted(sae_refs.key(s) for s in (saes[2], saes[0]))
+
+
 def test_concurrent_clients_each_get_their_own_vector(server, api, eager):
     specs = [S.Add("resid_post.1", _vector(10 + i)) for i in range(32)]
     with concurrent.futures.ThreadPoolExecutor(len(specs)) as pool:
@@ -268,10 +293,10 @@ def test_the_command_refuses_what_it_cannot_serve_before_starting(tiny_path, tmp
     assert "resid_mid.9" in capsys.readouterr().err
 
 
-def _held(server) -> list:
-    """What the workers still hold (vLLM's dev-mode /collective_rpc)."""
+def _held(server, method: str = "ie_status") -> list:
+    """What the workers still hold (vLLM's dev-mode /collective_rpc): calls and hooks, or with "ie_saes" SAEs."""
     status = urllib.request.Request(server[1].removesuffix("/v1") + "/collective_rpc", method="POST",
-                                    data=json.dumps({"method": "ie_status"}).encode(),
+                                    data=json.dumps({"method": method}).encode(),
                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
     with urllib.request.urlopen(status, timeout=60) as answer:
         return json.load(answer)["results"]

@@ -9,6 +9,7 @@ import torch
 from interp_engine import BackendError, capture, generate, load_model, logit_lens, run_with_grad, steer
 from interp_engine import spec as S
 from interp_engine.backends.vllm import sae_refs
+from interp_engine.errors import SpecError
 from tests.conftest import (PROMPTS, check_each_request_gets_its_own_vector,
                             check_no_steered_kv_reaches_a_plain_call, no_child_survives, random_sae)
 from tests.skips import requires
@@ -207,12 +208,39 @@ def test_sae_features_clamp_and_splice_equal_eager(served, eager):
         expected = steer(reference, PROMPTS, spec, progress=False)
         assert not torch.allclose(expected, plain, atol=1e-3), f"{spec}: the edit must change the logits"
         _close(steer(model, PROMPTS, spec, progress=False), expected, str(spec))
-    # Each SAE crossed to the workers once, and the tables named it by reference (sae_refs.py).
-    assert model.runtime._life.saes == {sae_refs.key(s) for s in saes}
+    # Each SAE crossed to the workers once (the workers' own count), and the tables named it by reference.
+    [held] = model.runtime.worker_saes()
+    assert held["saes"] == sorted(sae_refs.key(s) for s in saes) and held["puts"] == 2
     spec = S.Spec((S.Clamp(saes[0], [1], to=2.0),))
     sent = []
-    table = sae_refs.by_reference(spec, spec.to_dict(), model.runtime._life.saes, sent.append)
+    table = model.runtime._life.saes.put("call", spec, spec.to_dict(), (), lambda *a: sent.append(a))
     assert sent == [] and table["ops"][0]["sae"] == {"ref": sae_refs.key(saes[0])}
+
+
+def test_workers_evict_the_least_recently_used_sae_past_the_bound(served, eager, monkeypatch):
+    """A bound of two SAEs (INTERP_ENGINE_SAE_BYTES): three in turn, then the first again, evicted meanwhile and
+    put again without the caller's doing; each steered result equals eager's, and the workers (their own record)
+    never hold more than the bound. A call whose SAE alone is over the bound is refused before anything is sent."""
+    family, model = served
+    reference = eager(family)
+    saes = [random_sae(reference.d_model, 1, 30 + i) for i in range(3)]
+    limit = 2 * sae_refs.size(saes[0])
+    monkeypatch.setenv(sae_refs.BOUND_ENV, str(limit))
+    [before] = model.runtime.worker_saes()
+    plain = steer(reference, PROMPTS, [], progress=False)
+    for i, sae in enumerate([*saes, saes[0]]):
+        spec = S.Clamp(sae, [3, 7], to=20.0)
+        expected = steer(reference, PROMPTS, spec, progress=False)
+        assert not torch.allclose(expected, plain, atol=1e-3), "the clamp must change the logits"
+        _close(steer(model, PROMPTS, spec, progress=False), expected, f"SAE {i}")
+        [held] = model.runtime.worker_saes()
+        assert held["bytes"] <= limit and sae_refs.key(sae) in held["saes"], (i, held)
+    assert held["saes"] == sorted(sae_refs.key(s) for s in (saes[2], saes[0]))
+    assert held["puts"] - before["puts"] == 4, "the first SAE was evicted by the third and put again"
+    monkeypatch.setenv(sae_refs.BOUND_ENV, str(limit // 4))
+    with pytest.raises(SpecError, match=f"(?s)take {limit // 2} bytes.*Fix: set {sae_refs.BOUND_ENV}"):
+        steer(model, PROMPTS, S.Clamp(random_sae(reference.d_model, 1, 33), [0], to=1.0), progress=False)
+    assert model.runtime.worker_saes() == [held]
 
 
 def test_vllm_generate_is_plain_vllm(served, tiny_path, eager):

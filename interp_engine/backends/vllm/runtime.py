@@ -2,8 +2,7 @@
 
 Every call tags its requests with the call id, its first request carrying the call's table to the workers; a
 prefill call's results are handed back in a file as its last position runs, a generation's collected. A call
-that fails releases its table in the workers, so nothing outlives the call.
-"""
+that fails releases its table in the workers, so nothing outlives the call."""
 
 import collections
 import contextlib
@@ -21,7 +20,7 @@ from torch import Tensor
 from interp_engine.addresses import Address
 from interp_engine.arch import Arch, Dims
 from interp_engine.backends.base import TokenizerRuntime
-from interp_engine.backends.vllm import compat, engine, sae_refs, wire
+from interp_engine.backends.vllm import compat, engine, wire
 from interp_engine.backends.vllm.capabilities import for_handle
 from interp_engine.backends.vllm.compat import resource_tracker_pid
 from interp_engine.backends.vllm.life import EngineLife, shut_down_error
@@ -321,7 +320,7 @@ class VllmRuntime(TokenizerRuntime):
         if self._attached is not life.llm:
             self._rpc(wire.ATTACH)
             self._attached = life.llm
-        compiled = sae_refs.by_reference(spec, compiled, life.saes, lambda saes: self._rpc(wire.PUT_SAES, saes))
+        compiled = life.saes.put(call, spec, compiled, self._calls, lambda *a: self._rpc(wire.PUT_SAES, *a))
         return wire.table(call, compiled, key, reads, width=width, lens=lens, prompts=prompts)
 
     weights = fetch_weights  # TransformerLens-shaped, from the workers once per engine
@@ -330,10 +329,12 @@ class VllmRuntime(TokenizerRuntime):
         tabled = self.capabilities.points  # vllm-generate installs nothing
         return self._rpc(wire.STATUS) if self.llm is not None and tabled else []
 
+    def worker_saes(self) -> list[dict]:  # per worker: the SAEs it holds (sae_refs.held)
+        return self._rpc(wire.SAES) if self.llm is not None and self.capabilities.points else []
+
     def _run(self, call: str, inputs: list, params: list, *, progress: bool) -> list:
-        """Add the call's requests and step the engine until all of them have finished; their outputs, in order.
-        On any exception (a KeyboardInterrupt included) this call's unfinished requests are aborted, so they
-        neither keep running nor reach another call."""
+        """Add the call's requests, step the engine until all have finished; their outputs, in order. On any
+        exception (a KeyboardInterrupt included) its unfinished requests are aborted: they reach no other call."""
         requests = _Requests(call)
         try:
             self._submit(requests, inputs, params)
@@ -357,9 +358,8 @@ class VllmRuntime(TokenizerRuntime):
                 compat.add_request(llm, request, prompt, param)
 
     def _finish(self, requests: _Requests, *, progress: bool = False) -> None:
-        """Step the engine until these requests have finished. Another thread's call may be stepping it too:
-        each step's finished outputs go to whichever call owns them, so calls share batches and wait in turn
-        only for the step itself."""
+        """Step the engine until these requests have finished. Another thread's call may be stepping it too: each
+        step's finished outputs go to the call owning them, so calls share batches and wait only for the step."""
         from interp_engine.progress import bar as progress_bar
 
         life = requests.life

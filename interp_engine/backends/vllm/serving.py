@@ -9,7 +9,9 @@ with HTTP 400 and the Python API's message; a good one becomes a `Job`. vLLM's s
 client's `generate` once per prompt; our wrapper of it tags each engine request exactly as the offline path does
 (`wire.tag`, the table in every request of the job, so the order vLLM schedules them in does not matter), salts
 its prefix cache and skips reading it, and after the job's last request finishes collects the workers' records
-(`wire.COLLECT`). A non-streaming response gets an `interp` field with the captures (`encode_captures`).
+(`wire.COLLECT`). A non-streaming response gets an `interp` field with the captures (`encode_captures`). An SAE
+in a spec reaches the workers once, before the first request that names it (`ie_put_saes`), and tables name it by
+digest (`sae_refs.py`), as offline.
 Nothing in a request is executed or unpickled: specs are JSON, tensors base64 bytes with dtype and shape.
 """
 
@@ -26,10 +28,11 @@ from typing import Any
 import torch
 
 from interp_engine.addresses import Address
-from interp_engine.backends.vllm import wire
+from interp_engine.backends.vllm import sae_refs, wire
 from interp_engine.errors import InterpEngineError, SpecError, fix
 from interp_engine.func.lens import LensTop, lens_points, lens_result
 from interp_engine.positions import at_positions, position_index
+from interp_engine.sae import SAE
 from interp_engine.spec import Spec
 from interp_engine.tensor_data import MAX_INDEX
 from interp_engine.validate import Plan, plan
@@ -74,6 +77,8 @@ class Job:
     records: dict[Address, torch.Tensor] | None = None
     lensed: dict[Address, torch.Tensor] | None = None  # each lens point's log-probs, [prompts, positions, d_vocab]
     error: InterpEngineError | None = None
+    saes: dict[str, SAE] = dataclasses.field(default_factory=dict)  # the table names them by key (sae_refs.py)
+    ready: "asyncio.Future | None" = None  # its SAEs put to the workers, before its first request
 
 
 class Service:
@@ -81,6 +86,7 @@ class Service:
 
     def __init__(self, handle, *, default: dict | None = None, limits: Limits = Limits()):
         self.handle, self.limits = handle, limits
+        sae_refs.bound()  # a bad INTERP_ENGINE_SAE_BYTES: refused before the server starts
         self.default = None if default is None else self.interp({"spec": default}, n_prompts=1)
 
     def interp(self, body: Any, *, n_prompts: int) -> Asked:
@@ -135,9 +141,11 @@ class Service:
             raise SpecError(fix("captures and lenses come back in the whole response, not in a stream.",
                                 "send stream=false to capture; steering streams."))
         spec = asked.plan.spec()
+        compiled, saes = sae_refs.referenced(spec, spec.to_dict())
+        sae_refs.fits(saes, sae_refs.bound())
         call = uuid.uuid4().hex
-        table = wire.table(call, spec.to_dict(), spec.fingerprint(), asked.reads, lens=asked.lens)
-        return Job(call, table, asked)
+        table = wire.table(call, compiled, spec.fingerprint(), asked.reads, lens=asked.lens)
+        return Job(call, table, asked, saes=saes)
 
 
 def _positions(value: Any, what: str) -> int | list[int] | str | None:
@@ -170,9 +178,19 @@ def _jsonable(value: Any) -> bool:
 
 # ------------------------------------------------------------------------------------------- the engine side
 
+@dataclasses.dataclass
+class Holding:
+    """The server's record of the SAEs its engine's workers hold, its puts one at a time, and the jobs in flight
+    that put SAEs (until collected: what they name is never evicted)."""
+
+    held: sae_refs.Held = dataclasses.field(default_factory=sae_refs.Held)
+    lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+    in_flight: set[str] = dataclasses.field(default_factory=set)
+
+
 def wrap_generate(engine) -> None:
     """Make `engine.generate` (vLLM's AsyncLLM, called by its serving code once per prompt) run the request's job."""
-    plain = engine.generate
+    plain, holding = engine.generate, Holding()
 
     def generate(prompt, sampling_params, request_id, *args, **kwargs):
         job = JOB.get()
@@ -183,12 +201,13 @@ def wrap_generate(engine) -> None:
                 sampling_params.extra_args = {k: v for k, v in extra.items() if k != wire.TAG}
             return plain(prompt, sampling_params, request_id, *args, **kwargs)
         index, job.started = job.started, job.started + 1
-        return _tabled(engine, plain, job, index, prompt, sampling_params, request_id, args, kwargs)
+        return _tabled(engine, plain, holding, job, index, prompt, sampling_params, request_id, args, kwargs)
 
     engine.generate = generate
 
 
-async def _tabled(engine, plain, job: Job, index: int, prompt, sampling_params, request_id, args, kwargs):
+async def _tabled(engine, plain, holding: Holding, job: Job, index: int, prompt, sampling_params, request_id,
+                  args, kwargs):
     from vllm.sampling_params import RequestOutputKind
 
     ids = list(prompt.get("prompt_token_ids") or []) if isinstance(prompt, dict) else []
@@ -199,6 +218,9 @@ async def _tabled(engine, plain, job: Job, index: int, prompt, sampling_params, 
     delta = sampling_params.output_kind == RequestOutputKind.DELTA
     new: list[int] = []
     try:
+        if job.saes:  # the job's first prompt puts them; the others wait for it (a hang-up cancels no put)
+            job.ready = job.ready or asyncio.ensure_future(_put(engine, holding, job))
+            await asyncio.shield(job.ready)
         async for out in plain({**prompt, "cache_salt": job.call}, params, request_id, *args, **kwargs):
             tokens = list(out.outputs[0].token_ids) if out.outputs else []
             new = new + tokens if delta else tokens
@@ -210,10 +232,24 @@ async def _tabled(engine, plain, job: Job, index: int, prompt, sampling_params, 
         # vLLM's serving code calls generate for every prompt before it reads any: the last to end collects,
         # shielded: a client that hangs up cancels its request's task, and the table must leave the workers.
         if job.finished == job.started:
-            await asyncio.shield(_collect(engine, job))
+            await asyncio.shield(_collect(engine, holding, job))
 
 
-async def _collect(engine, job: Job) -> None:
+async def _put(engine, holding: Holding, job: Job) -> None:
+    """The job's SAEs into the workers, each once while they hold it; evictions decided here (`sae_refs.Held`)."""
+    holding.in_flight.add(job.call)
+    async with holding.lock:  # a job whose SAE another is putting waits, then finds it held
+        new, evicted = holding.held.plan(job.call, job.saes, holding.in_flight)
+        if new or evicted:
+            try:
+                encoded = await asyncio.to_thread(sae_refs.encoded, new)  # base64 of a large SAE: off the loop
+                await engine.collective_rpc(wire.PUT_SAES, args=(encoded, evicted))
+            except BaseException:
+                holding.held.forget(new)
+                raise
+
+
+async def _collect(engine, holding: Holding, job: Job) -> None:
     """The job's records out of the workers (and its table with them); a contained failure becomes its error."""
     path = wire.result_path(job.call)
     try:
@@ -225,6 +261,7 @@ async def _collect(engine, job: Job) -> None:
     except InterpEngineError as e:
         job.error = e
     finally:
+        holding.in_flight.discard(job.call)
         if os.path.exists(path):
             os.unlink(path)
 

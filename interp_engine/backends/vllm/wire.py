@@ -36,8 +36,9 @@ COLLECT = "ie_collect"
 RELEASE = "ie_release"
 STATUS = "ie_status"
 WEIGHTS = "ie_weights"  # backends/vllm/weights.py
-PUT_SAES = "ie_put_saes"  # SAEs sent once per engine, named by reference in tables (sae_refs.py)
-METHODS = (ATTACH, COLLECT, RELEASE, STATUS, WEIGHTS, PUT_SAES)
+PUT_SAES = "ie_put_saes"  # SAEs sent once, named by reference in tables, evicted by the driver (sae_refs.py)
+SAES = "ie_saes"  # what a worker holds of SAEs (sae_refs.held)
+METHODS = (ATTACH, COLLECT, RELEASE, STATUS, WEIGHTS, PUT_SAES, SAES)
 
 ERROR = "interp_engine_error"  # a failed call's COLLECT answer: the message the driver raises
 IN_SPEC = "in_spec"  # ...and whether an op failed (SpecError) rather than a read (BackendError)

@@ -100,8 +100,11 @@ class InterpExtension(WeightsExtension):
             self._ie_attached = True
         return True
 
-    def ie_put_saes(self, saes: dict) -> bool:
-        return sae_refs.keep(saes)  # SAEs later tables name by reference
+    def ie_put_saes(self, saes: dict, evict: list | tuple = ()) -> bool:
+        return sae_refs.keep(saes, evict)  # SAEs later tables name by reference; the driver decides evictions
+
+    def ie_saes(self) -> dict:
+        return sae_refs.held()
 
     def ie_collect(self, call_id: str, path: str = "", host: str = "") -> bytes | str:
         """A call's results, and its removal (generation; a prefill call not handed back). Rank 0 answers, other
