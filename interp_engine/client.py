@@ -6,6 +6,8 @@
         model=PATH, prompt="Hello", max_tokens=8, extra_body=client.extra_body(spec, capture=["resid_post.1"]))
     cache = client.cache_of(out)   # [prompts, positions, ...]; client.tokens_of(out): the ids at those positions
     lens = client.lens_of(out)     # with extra_body(..., lens=True): as logit_lens returns it
+
+Of a stream (stream=True), the last chunk holds the captures: `client.cache_of(list(stream))`.
 """
 
 import base64
@@ -42,14 +44,17 @@ def extra_body(spec: Spec | Op | Sequence[Op] | None = None, *, capture: Sequenc
 
 
 def _interp(response: Any) -> dict:
-    found = response.get("interp") if isinstance(response, dict) else getattr(response, "interp", None)
-    if found is None and hasattr(response, "model_extra"):
-        found = (response.model_extra or {}).get("interp")
-    if not isinstance(found, dict):
-        raise SpecError(fix("this response has no interp field.",
-                            "send the request with extra_body=client.extra_body(spec, capture=[...]) to "
-                            "interp-engine serve."))
-    return found
+    """The `interp` field of a response, or of a stream's chunks (a list: the last chunk holds it)."""
+    chunks = response if isinstance(response, list | tuple) else [response]
+    for chunk in reversed(chunks):
+        found = chunk.get("interp") if isinstance(chunk, dict) else getattr(chunk, "interp", None)
+        if found is None and hasattr(chunk, "model_extra"):
+            found = (chunk.model_extra or {}).get("interp")
+        if isinstance(found, dict):
+            return found
+    raise SpecError(fix("this response has no interp field.",
+                        "send the request with extra_body=client.extra_body(spec, capture=[...]) to "
+                        "interp-engine serve; of a stream, pass its chunks as a list (list(stream))."))
 
 
 def cache_of(response: Any) -> Cache:

@@ -203,6 +203,38 @@ def test_chat_and_streaming_are_steered(server, api, eager):
     assert [t for chunk in stream for c in chunk.choices for t in (getattr(c, "token_ids", None) or [])] == whole[0]
 
 
+def test_a_stream_brings_its_captures_in_its_last_chunk(server, api, eager):
+    """Streamed tokens and the captures of the stream's last chunk equal the non-streaming response's and offline
+    capture's (completions with two prompts, and chat)."""
+    spec, points = S.Add("resid_post.1", _vector(6)), ["resid_post.0", "attn_out.1"]
+    whole, out = _complete(api, server, PROMPTS, spec, capture=points, lens=True, top_k=3)
+    chunks = list(api.completions.create(
+        model=server[2], prompt=PROMPTS, max_tokens=6, temperature=0.0, stream=True,
+        extra_body={**client.extra_body(spec, capture=points, lens=True, top_k=3), "return_token_ids": True}))
+    streamed = [[] for _ in PROMPTS]
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.token_ids or []
+    assert streamed == whole and not chunks[-1].choices
+    tokens = client.tokens_of(chunks)
+    assert tokens == client.tokens_of(out)
+    cache, whole_cache = client.cache_of(chunks), client.cache_of(out)
+    reference = capture(eager("llama"), tokens, points, spec, progress=False)
+    for point in points:
+        assert cache[point].shape == reference[point].shape
+        assert torch.allclose(cache[point], reference[point], rtol=RTOL, atol=ATOL), point
+        assert torch.allclose(cache[point], whole_cache[point], rtol=RTOL, atol=ATOL), point
+    top, whole_top = client.lens_of(chunks), client.lens_of(out)
+    assert torch.equal(top.tokens, whole_top.tokens)
+    assert torch.allclose(top.logprobs, whole_top.logprobs, rtol=RTOL, atol=1e-4)
+    chat = list(api.chat.completions.create(
+        model=server[2], messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=4, temperature=0.0,
+        stream=True, extra_body=client.extra_body(spec, capture=["resid_post.2"])))
+    tokens = client.tokens_of(chat)
+    reference = capture(eager("llama"), tokens, ["resid_post.2"], spec, progress=False)
+    assert torch.allclose(client.cache_of(chat)["resid_post.2"], reference["resid_post.2"], rtol=RTOL, atol=ATOL)
+
+
 def test_saes_cross_to_the_worker_once_and_leave_it_past_the_bound(server, api, eager):
     """Four concurrent requests with one SAE, then a fifth: the worker was sent it once (its own count). Two more
     SAEs in turn push it out (the server's bound holds two), and the next request naming it puts it again. Every
@@ -262,12 +294,12 @@ def test_bad_requests_are_refused_with_the_python_message_and_the_server_goes_on
         message = refused.value.body["message"]
         assert "Fix:" in message, name
         assert (expected or python(spec)) in message, (name, message)
-    with pytest.raises(openai.BadRequestError, match="stream=false"):
-        api.completions.create(model=server[2], prompt=PROMPTS[0], max_tokens=2, stream=True,
-                               extra_body=client.extra_body(None, capture=["resid_post.0"]))
+    oversized = client.extra_body(None, capture=[f"{p}.{i}" for p in ("resid_post", "attn_out") for i in range(3)])
     with pytest.raises(openai.BadRequestError, match="--max-capture-bytes"):
-        api.completions.create(model=server[2], prompt=[5] * 120, max_tokens=2, extra_body=client.extra_body(
-            None, capture=[f"{p}.{i}" for p in ("resid_post", "attn_out") for i in range(3)]))
+        api.completions.create(model=server[2], prompt=[5] * 120, max_tokens=2, extra_body=oversized)
+    with pytest.raises(openai.APIError, match="--max-capture-bytes"):  # a stream's is its last chunk
+        list(api.completions.create(model=server[2], prompt=[5] * 120, max_tokens=2, stream=True,
+                                    extra_body=oversized))
     stranger = openai.OpenAI(base_url=server[1], api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):  # 401 before the body is read
         stranger.completions.create(model=server[2], prompt=PROMPTS[0], max_tokens=2,

@@ -118,26 +118,29 @@ class Interp:
             serving.JOB.reset(token)
 
     def _responder(self, job: serving.Job, send):
-        """Hold a JSON response until its body is whole, then add the job's `interp` field (or its error)."""
+        """Hold a JSON response until its body is whole, then add the job's `interp` field (or its error); in a
+        stream that captures, send a last chunk with the field before `data: [DONE]`."""
         held: dict[str, Any] = {}
 
         async def respond(message):
             if message["type"] == "http.response.start":
                 headers = dict(message.get("headers", []))
-                if message["status"] != 200 or not headers.get(b"content-type", b"").startswith(b"application/json"):
+                kind = headers.get(b"content-type", b"")
+                if message["status"] == 200 and kind.startswith(b"text/event-stream") and job.asked.plan.reads:
+                    held["stream"] = b""
+                if message["status"] != 200 or not kind.startswith(b"application/json"):
                     return await send(message)  # vLLM's own error, or a stream: as it is
                 held.update(start=message, body=b"")
                 return None
+            if "stream" in held and message["type"] == "http.response.body":
+                return await send(self._streamed(job, message, held))
             if message["type"] != "http.response.body" or "start" not in held:
                 return await send(message)
             held["body"] += message.get("body", b"")
             if message.get("more_body"):
                 return None
-            if job.error is not None:
-                return await _error(send, 400, str(job.error))
             try:
-                extra = serving.encode_captures(job, self.n_layers, self.service.limits.capture_bytes) \
-                    if job.asked.plan.reads else {}
+                extra = self._extra(job)
             except InterpEngineError as e:
                 return await _error(send, 400, str(e))
             response = json.loads(held["body"])
@@ -145,6 +148,34 @@ class Interp:
             await _send_json(send, held["start"]["status"], response)
 
         return respond
+
+    def _extra(self, job: serving.Job) -> dict:
+        """The response's `interp` field, or the job's error."""
+        if job.error is not None:
+            raise job.error
+        return serving.encode_captures(job, self.n_layers, self.service.limits.capture_bytes) \
+            if job.asked.plan.reads else {}
+
+    def _streamed(self, job: serving.Job, message: dict, held: dict) -> dict:
+        """A stream's body message; the one holding `data: [DONE]` gets the captures' chunk before it (the job's
+        requests have all ended by then: vLLM's serving code sends [DONE] after its generators are exhausted).
+        The chunk repeats the last one's id, object, created and model, with no choices; a failure is the error
+        chunk the openai client raises from."""
+        body = message.get("body", b"")
+        done = body.find(b"data: [DONE]")
+        if done < 0:
+            held["stream"] = body or held["stream"]
+            return message
+        try:
+            last = json.loads(held["stream"].rsplit(b"data: ", 1)[-1].strip() or b"{}")
+        except ValueError:
+            last = {}
+        try:
+            chunk = {k: last[k] for k in ("id", "object", "created", "model") if k in last} | \
+                {"choices": [], "interp": self._extra(job)}
+        except InterpEngineError as e:
+            chunk = {"error": {"message": str(e), "type": "BadRequestError", "param": None, "code": 400}}
+        return {**message, "body": body[:done] + b"data: " + json.dumps(chunk).encode() + b"\n\n" + body[done:]}
 
 
 async def _error(send, status: int, message: str) -> None:

@@ -9,9 +9,9 @@ with HTTP 400 and the Python API's message; a good one becomes a `Job`. vLLM's s
 client's `generate` once per prompt; our wrapper of it tags each engine request exactly as the offline path does
 (`wire.tag`, the table in every request of the job, so the order vLLM schedules them in does not matter), salts
 its prefix cache and skips reading it, and after the job's last request finishes collects the workers' records
-(`wire.COLLECT`). A non-streaming response gets an `interp` field with the captures (`encode_captures`). An SAE
-in a spec reaches the workers once, before the first request that names it (`ie_put_saes`), and tables name it by
-digest (`sae_refs.py`), as offline.
+(`wire.COLLECT`). A non-streaming response gets an `interp` field with the captures (`encode_captures`), a
+stream a last chunk holding that field (before `data: [DONE]`). An SAE in a spec reaches the workers once,
+before the first request that names it (`ie_put_saes`), and tables name it by digest (`sae_refs.py`), as offline.
 Nothing in a request is executed or unpickled: specs are JSON, tensors base64 bytes with dtype and shape.
 """
 
@@ -137,9 +137,6 @@ class Service:
         if (payload.get("n") or 1) != 1 or payload.get("use_beam_search") or payload.get("best_of"):
             raise SpecError(fix("interp requests take one sample per prompt (n=1, no beam search, no best_of).",
                                 "send one request per sample."))
-        if asked.plan.reads and payload.get("stream"):
-            raise SpecError(fix("captures and lenses come back in the whole response, not in a stream.",
-                                "send stream=false to capture; steering streams."))
         spec = asked.plan.spec()
         compiled, saes = sae_refs.referenced(spec, spec.to_dict())
         sae_refs.fits(saes, sae_refs.bound())
