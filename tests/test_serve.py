@@ -364,6 +364,33 @@ def test_a_client_that_hangs_up_mid_stream_leaves_nothing_behind(server, api, ea
     assert steered == _offline(eager, spec)
 
 
+def test_a_client_that_hangs_up_before_its_response_leaves_nothing_behind(server, api, eager):
+    """A non-streaming request that captures, its socket closed while it generates: vLLM cancels it, its table
+    leaves the worker, and the next request is served correctly."""
+    spec = S.Add("resid_post.1", _vector(7))
+    generated, asked = _generated(server), 4 * 120
+    body = {"model": server[2], "prompt": PROMPTS * 2, "max_tokens": 120, "temperature": 0.0, "ignore_eos": True,
+            **client.extra_body(spec, capture=["resid_post.0"])}
+    connection = http.client.HTTPConnection(*server[1].removeprefix("http://").removesuffix("/v1").split(":"),
+                                            timeout=60)
+    connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json",
+                                                                    "Authorization": f"Bearer {KEY}"})
+    deadline = time.monotonic() + 30
+    while _held(server)[0]["calls"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _held(server)[0]["calls"] == 1, "the request never reached the worker: the test checked nothing"
+    connection.sock.shutdown(socket.SHUT_RDWR)  # hang up while it generates
+    connection.close()
+    deadline = time.monotonic() + 30
+    while _held(server) != [{"calls": 0, "hooks": 0}] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _held(server) == [{"calls": 0, "hooks": 0}]
+    time.sleep(0.5)  # had the requests run on, they would have generated more by now
+    assert _generated(server) - generated < asked, "vLLM saw no hang-up: the test checked nothing"
+    steered, _ = _complete(api, server, PROMPTS, spec)
+    assert steered == _offline(eager, spec)
+
+
 def test_nothing_outlives_a_request_and_sigterm_leaves_no_child_process(server):
     assert _held(server) == [{"calls": 0, "hooks": 0}]
     process = server[0]
