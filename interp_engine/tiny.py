@@ -130,6 +130,16 @@ _BASE: dict[str, dict[str, Any]] = {
                        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
                        mlp_only_layers=[], partial_rotary_factor=0.25, max_position_embeddings=512,
                        tie_word_embeddings=False),
+    # Qwen3.5-35B-A3B's layout scaled down: Qwen3.5's hybrid with Qwen3-Next's sparse MLP (renormalised always).
+    "qwen3_5_moe_text": dict(hidden_size=128, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+                             num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+                             linear_value_head_dim=32, linear_conv_kernel_dim=4,
+                             layer_types=["linear_attention", "full_attention", "linear_attention"],
+                             num_experts=8, num_experts_per_tok=2,
+                             rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0,
+                                              "partial_rotary_factor": 0.25},
+                             max_position_embeddings=512, tie_word_embeddings=False),
 }
 
 

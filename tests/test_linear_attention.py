@@ -15,7 +15,7 @@ from interp_engine.errors import InterpEngineError
 from tests.conftest import PROMPTS
 from tests.skips import requires
 
-FAMILIES = ("qwen3_5_text", "qwen3_next")
+FAMILIES = ("qwen3_5_text", "qwen3_next", "qwen3_5_moe_text")
 LINEAR, FULL = (0, 2), 1  # tiny.py: linear, full, linear
 
 
@@ -83,6 +83,9 @@ def _hooked(ref, tokens):
         hooks.append(mixer.register_forward_hook(keep("mixer", i)))
         hooks.append(layer.input_layernorm.register_forward_hook(keep("x", i)))
         hooks.append(layer.mlp.register_forward_hook(keep("mlp", i)))
+        if hasattr(layer.mlp, "gate"):
+            hooks.append(layer.mlp.gate.register_forward_hook(keep("gate", i)))
+            hooks.append(layer.mlp.shared_expert.register_forward_hook(keep("shared", i)))
         if i in LINEAR:
             hooks.append(layer.linear_attn.norm.register_forward_pre_hook(
                 lambda m, args, i=i: seen.__setitem__(("norm_in", i), args)))
@@ -122,6 +125,14 @@ def test_every_point_matches_hf_and_the_delta_rule_by_hand(family, eager, hf_ref
             _close(at("resid_pre") + at("attn_out"), at("resid_mid"))
             _close(at("resid_mid") + at("mlp_out"), at("resid_post"))
             _close(at("mlp_out"), seen[("mlp", i)])
+            if model.dims.n_experts:  # the routed experts' weighted sum plus the gated shared expert is mlp_out
+                logits, weights, chosen = seen[("gate", i)]
+                _close(at("router_logits"), logits.view(*tokens.shape, -1))
+                _close(at("expert_weights"), torch.zeros_like(logits).scatter(-1, chosen, weights).view(
+                    *tokens.shape, -1))
+                shared = layer.mlp.shared_expert_gate(layer.post_attention_layernorm(at("resid_mid"))).sigmoid()
+                routed = (at("expert_out") * weights.view(*tokens.shape, -1, 1)).sum(2)
+                _close(routed + shared * seen[("shared", i)].view_as(routed), at("mlp_out"))
             if i in LINEAR:
                 la = layer.linear_attn
                 mine, p = _by_hand(la, seen[("x", i)])
@@ -320,3 +331,19 @@ def test_the_unserved_vllm_table_names_modules_of_vllms_own_qwen3_next_tree(tiny
             assert "GatedDeltaNet" in tree[at(VLLM_LINEAR)], tree[at(VLLM_LINEAR)]
         else:
             assert tree[at(table.attention)] == "Attention"
+
+
+def test_ragged_capture_and_steer_at_linear_points_equal_solo_runs(eager):
+    """Right-padded prompts: a Gated DeltaNet is causal, so each prompt's points and logits are its solo run's."""
+    model = eager("qwen3_next")
+    points = [p for p in model.points() if p.layer in (None, 0)]
+    spec = S.Add("lin_v.0", torch.ones(model.dims.n_lin_v_heads, model.dims.d_lin_v), positions="last") \
+        + S.Scale("lin_k.2", 1.5, heads=[0])
+    batch, logits = capture(model, PROMPTS, points, spec), steer(model, PROMPTS, spec)
+    lengths = [len(model.tokenize(p)) for p in PROMPTS]
+    assert len(set(lengths)) > 1
+    for i, prompt in enumerate(PROMPTS):
+        solo = capture(model, prompt, points, spec)
+        for address in points:
+            _close(batch.unpadded(address)[i], solo.unpadded(address)[0], 1e-4)
+        _close(logits[i, :lengths[i]], steer(model, prompt, spec)[0], 1e-4)
