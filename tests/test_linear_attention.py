@@ -216,6 +216,11 @@ def test_points_a_layer_lacks_are_refused_before_any_forward_naming_the_layers_t
     assert not {"q.0", "attn_probs.2", "lin_q.1", "attn_result.1", "mlp_act.0"} & points
 
 
+def test_transformerlens_shaped_weights_are_refused_saying_why(eager):
+    with pytest.raises(InterpEngineError, match="(?s)Gated DeltaNet layers have no W_Q.*Fix: read the HF parameters"):
+        eager("qwen3_5_text").weights
+
+
 def test_linear_points_on_a_model_without_linear_attention_are_refused(eager):
     with pytest.raises(InterpEngineError, match="(?s)only in hybrid linear-attention models.*qwen3_next"):
         capture(eager("qwen3"), "Hello", ["lin_v.0"])
