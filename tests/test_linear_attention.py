@@ -352,3 +352,42 @@ def test_ragged_capture_and_steer_at_linear_points_equal_solo_runs(eager):
         for address in points:
             _close(batch.unpadded(address)[i], solo.unpadded(address)[0], 1e-4)
         _close(logits[i, :lengths[i]], steer(model, prompt, spec)[0], 1e-4)
+
+
+def test_gradients_at_linear_points_equal_autograd_through_the_layer_by_hand(eager, hf_reference):
+    """run_with_grad at lin_v, lin_g and lin_out equals torch.autograd.grad at the same tensors of HF whose
+    linear_attn layers are the hand-written layer (a zero leaf added to each of those tensors there)."""
+    from interp_engine import run_with_grad
+
+    model, ref = eager("qwen3_next", grad=True), hf_reference("qwen3_next")
+    tokens = model.to_tokens(PROMPTS[2])
+
+    def loss(logits):
+        return torch.log_softmax(logits[:, -1], -1)[:, 7].sum()
+
+    wrt = {("lin_v", 2), ("lin_g", 0), ("lin_out", 0)}
+    got = run_with_grad(model, tokens, loss=loss, wrt=[f"{p}.{i}" for p, i in wrt])
+    leaves = {}
+
+    def leafed(i):
+        def edit(p):
+            for name in p:
+                if (name, i) in wrt and (name, i) not in leaves:
+                    leaves[(name, i)] = torch.zeros_like(p[name], requires_grad=True)
+                    p[name] = p[name] + leaves[(name, i)]  # a zero added: the gradient at the point
+        return edit
+
+    hooks = [ref.model.layers[i].linear_attn.register_forward_hook(
+        lambda m, args, kwargs, out, i=i: _by_hand(m, kwargs["hidden_states"], leafed(i))[0], with_kwargs=True)
+        for i in LINEAR]
+    try:
+        value = loss(ref(tokens).logits)
+    finally:
+        for h in hooks:
+            h.remove()
+    grads = torch.autograd.grad(value, [leaves[k] for k in sorted(wrt)])
+    _close(got.value, value.detach(), 1e-4)
+    for (name, i), grad in zip(sorted(wrt), grads):
+        assert grad.abs().sum() > 0
+        # relative: lin_out's gradient is in the hundreds (the gated norm divides by its small RMS)
+        _close(got.grads[f"{name}.{i}"], grad, 1e-3 * grad.abs().max().item())
