@@ -265,8 +265,8 @@ def plan(model, spec: Spec, reads: Iterable[Address], *, n_prompts: int, longest
             axis = address.info.head_axis
             if axis is None:
                 problems.append(SpecError(fix(f"{type(op).__name__} at {address} names heads, but {address.point} has no "
-                                    "head axis.", "drop heads=, or target q, k, v, z, attn_scores, attn_probs or a linear-attention point "
-                                    "(lin_q, lin_k, lin_v, lin_beta, lin_g, lin_z, lin_out).")))
+                                    "head axis.", "drop heads=, or target q, k, v, z, attn_scores, attn_probs "
+                                    "or a linear-attention point (lin_q ... lin_out).")))
             else:
                 count = getattr(model.dims, address.info.axes[axis])
                 bad = [h for h in heads if not 0 <= h < count]
