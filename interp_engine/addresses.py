@@ -28,7 +28,7 @@ class PointInfo:
     @property
     def head_axis(self) -> int | None:
         for i, axis in enumerate(self.axes):
-            if axis in ("n_heads", "n_kv_heads"):
+            if axis in ("n_heads", "n_kv_heads", "n_lin_k_heads", "n_lin_v_heads"):
                 return i
         return None
 
@@ -53,6 +53,14 @@ POINTS: dict[str, PointInfo] = {
                   needs_eager_attention=True),
         PointInfo("z", ("batch", "pos", "n_heads", "d_head_v")),
         PointInfo("attn_result", ("batch", "pos", "n_heads", "d_model"), read_only=True, hook_read=True),
+        # A linear-attention (Gated DeltaNet) layer's own points (arch/qwen3_next.py says what each one is).
+        PointInfo("lin_q", ("batch", "pos", "n_lin_k_heads", "d_lin_k")),
+        PointInfo("lin_k", ("batch", "pos", "n_lin_k_heads", "d_lin_k")),
+        PointInfo("lin_v", ("batch", "pos", "n_lin_v_heads", "d_lin_v")),
+        PointInfo("lin_beta", ("batch", "pos", "n_lin_v_heads")),
+        PointInfo("lin_g", ("batch", "pos", "n_lin_v_heads")),
+        PointInfo("lin_z", ("batch", "pos", "n_lin_v_heads", "d_lin_v")),
+        PointInfo("lin_out", ("batch", "pos", "n_lin_v_heads", "d_lin_v")),
         PointInfo("attn_out", _RESID),
         PointInfo("resid_mid", _RESID),
         PointInfo("mlp_pre", ("batch", "pos", "d_mlp"), read_only=True, hook_read=True),

@@ -109,6 +109,37 @@ _BASE: dict[str, dict[str, Any]] = {
                         rope_parameters={"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
                                          "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                                          "rope_theta": 10000.0}),
+    # Qwen3.5-27B's layout (the Qwen3.8-27B shape) scaled down: its 3:1 linear:full pattern shortened to
+    # linear, full, linear (both kinds, and a linear layer after a full one); 3 value heads per key head as there
+    # (16 key heads : 48 value heads); gated full attention with a quarter of each head rotary; dense MLP.
+    "qwen3_5_text": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=6,
+                         linear_key_head_dim=32, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                         layer_types=["linear_attention", "full_attention", "linear_attention"],
+                         rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0,
+                                          "partial_rotary_factor": 0.25},
+                         max_position_embeddings=512, tie_word_embeddings=False),
+    # Qwen3-Next-80B-A3B's layout scaled down: the same hybrid with 2 value heads per key head (16 : 32), and a
+    # mixture of experts in every layer (512 experts top-10 cut to 8 top-2, renormalised) with a gated shared
+    # expert.
+    "qwen3_next": dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                       shared_expert_intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                       linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
+                       layer_types=["linear_attention", "full_attention", "linear_attention"],
+                       num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+                       mlp_only_layers=[], partial_rotary_factor=0.25, max_position_embeddings=512,
+                       tie_word_embeddings=False),
+    # Qwen3.5-35B-A3B's layout scaled down: Qwen3.5's hybrid with Qwen3-Next's sparse MLP (renormalised always).
+    "qwen3_5_moe_text": dict(hidden_size=128, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+                             num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+                             linear_value_head_dim=32, linear_conv_kernel_dim=4,
+                             layer_types=["linear_attention", "full_attention", "linear_attention"],
+                             num_experts=8, num_experts_per_tok=2,
+                             rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0,
+                                              "partial_rotary_factor": 0.25},
+                             max_position_embeddings=512, tie_word_embeddings=False),
 }
 
 

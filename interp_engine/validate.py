@@ -28,10 +28,8 @@ class Plan:
 
 def feature_shape(address: Address, dims: Dims, width: int) -> tuple[int, ...]:
     """One position's shape at `address` (for attention patterns: one query row, `width` keys)."""
-    sizes = {"d_model": dims.d_model, "n_heads": dims.n_heads, "n_kv_heads": dims.n_kv_heads,
-             "d_head": dims.d_head, "d_head_v": dims.d_head_v, "d_mlp": dims.d_mlp, "d_vocab": dims.d_vocab,
-             "k_pos": width, "n_experts": dims.n_experts, "top_k": dims.top_k, "d_latent": dims.d_latent}
-    return tuple(sizes[a] for a in address.info.axes if a not in ("batch", "pos", "q_pos"))
+    return tuple(width if a == "k_pos" else getattr(dims, a) for a in address.info.axes
+                 if a not in ("batch", "pos", "q_pos"))
 
 
 # Per eager-only point: what the vLLM backends never form, and what to read there instead.
@@ -267,9 +265,10 @@ def plan(model, spec: Spec, reads: Iterable[Address], *, n_prompts: int, longest
             axis = address.info.head_axis
             if axis is None:
                 problems.append(SpecError(fix(f"{type(op).__name__} at {address} names heads, but {address.point} has no "
-                                    "head axis.", "drop heads=, or target q, k, v, z, attn_scores or attn_probs.")))
+                                    "head axis.", "drop heads=, or target q, k, v, z, attn_scores, attn_probs "
+                                    "or a linear-attention point (lin_q ... lin_out).")))
             else:
-                count = model.n_kv_heads if address.info.axes[axis] == "n_kv_heads" else model.n_heads
+                count = getattr(model.dims, address.info.axes[axis])
                 bad = [h for h in heads if not 0 <= h < count]
                 if bad:
                     problems.append(PointError(fix(f"heads {bad} at {address} do not exist: {address.point} has {count} heads.",

@@ -217,9 +217,9 @@ def test_a_loss_that_is_not_a_scalar_names_the_reduction(eager):
 
 MOE_REQUESTS = [
     pytest.param("llama", lambda m: capture(m, _tokens(m), ["router_logits.0"]), PointError,
-                 ("router_logits.0 does not exist", "dense llama model", "mixtral, qwen3_moe"), id="router-on-dense"),
+                 ("router_logits.0 does not exist", "dense llama model", "mixtral, qwen3_5_moe, qwen3_moe, qwen3_next"), id="router-on-dense"),
     pytest.param("llama", lambda m: steer(m, _tokens(m), S.Add("router_logits.1", torch.ones(4))), PointError,
-                 ("router_logits.1 does not exist", "mixtral, qwen3_moe"), id="router-write-on-dense"),
+                 ("router_logits.1 does not exist", "mixtral, qwen3_5_moe, qwen3_moe, qwen3_next"), id="router-write-on-dense"),
     pytest.param("mixtral", lambda m: capture(m, _tokens(m), ["mlp_act.0"]), PointError,
                  ("mlp_act.0 does not exist", "router_logits", "mlp_out"), id="mlp-act-on-moe"),
     pytest.param("qwen3_moe", lambda m: capture(m, _tokens(m), ["router_logits.3"]), PointError,
@@ -229,7 +229,7 @@ MOE_REQUESTS = [
     pytest.param("qwen3_moe", lambda m: steer(m, _tokens(m), S.Add("router_logits.0", torch.ones(4))), SpecError,
                  ("router_logits holds (8,) per position",), id="router-vector-of-the-wrong-width"),
     pytest.param("llama", lambda m: capture(m, _tokens(m), ["expert_out.0"]), PointError,
-                 ("expert_out.0 does not exist", "gpt_oss, mixtral, qwen3_moe"), id="expert-out-on-dense"),
+                 ("expert_out.0 does not exist", "gpt_oss, mixtral, qwen3_5_moe, qwen3_moe, qwen3_next"), id="expert-out-on-dense"),
     pytest.param("gpt_oss", lambda m: steer(m, _tokens(m), S.Scale("expert_out.1", 2.0)), SpecError,
                  ("expert_out.1 is read-only", "write router_logits.1", "mlp_out.1"), id="expert-out-written"),
 ]

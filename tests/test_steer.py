@@ -149,7 +149,8 @@ def test_attention_pattern_writes(eager):
 def test_every_point_is_in_the_table():
     assert set(POINTS) == {"embed", "resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "q", "k", "v",
                            "z", "attn_scores", "attn_probs", "mlp_act", "final", "logits", "router_logits",
-                           "expert_weights", "expert_out", "attn_result", "mlp_pre", "mlp_pre_linear", "kv_latent"}
+                           "expert_weights", "expert_out", "attn_result", "mlp_pre", "mlp_pre_linear", "kv_latent",
+                           "lin_q", "lin_k", "lin_v", "lin_beta", "lin_g", "lin_z", "lin_out"}
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])

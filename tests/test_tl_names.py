@@ -45,8 +45,10 @@ def test_every_point_but_logits_and_expert_points_has_a_tl_name():
     for name, info in POINTS.items():
         address = Address(name, 2) if info.layered else Address(name)
         # expert_weights holds every expert's weight; TL's MoE hooks hold the k chosen ones' (its nearest-point
-        # list); TL has no hook on each chosen expert's output (expert_out), nor latent attention (kv_latent)
-        assert (address.tl_name is None) == (name in ("logits", "expert_weights", "expert_out", "kv_latent")), name
+        # list); TL has no hook on each chosen expert's output (expert_out), nor latent attention (kv_latent), nor
+        # linear attention (lin_*)
+        assert (address.tl_name is None) == (name in ("logits", "expert_weights", "expert_out", "kv_latent")
+                                             or name.startswith("lin_")), name
     assert Address("resid_post", 10).tl_name == "blocks.10.hook_resid_post"
     assert Address("q", 1).tl_name == "blocks.1.attn.hook_q" and Address("final").tl_name == "ln_final.hook_normalized"
 

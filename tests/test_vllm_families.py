@@ -123,7 +123,8 @@ def test_router_steering_chooses_the_same_experts_as_on_eager(served, eager, hf_
     eager, and as HF's own model does with that gate's weight negated (the independent reference)."""
     family, backend, model = served
     if family not in MOE:  # a dense model: refused before any request, naming the families that have a router
-        with pytest.raises(PointError, match=r"(?s)router_logits.0 does not exist.*mixtral, qwen3_moe"):
+        with pytest.raises(PointError,
+                           match=r"(?s)router_logits.0 does not exist.*mixtral, qwen3_5_moe, qwen3_moe, qwen3_next"):
             capture(model, PROMPTS, ["router_logits.0"])
         return
     flip = S.Scale("router_logits.0", -1.0)

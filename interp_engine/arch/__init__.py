@@ -153,6 +153,10 @@ class Arch:
     # config key of its width.
     kv_latent: str | None = None
     d_latent_key: str | None = None
+    # Hybrid linear attention (Qwen3-Next, Qwen3.5): the token mixer of a config's "linear_attention" layers (a
+    # Gated DeltaNet, whose output is attn_out there); the other layers' attention is `attention`.
+    linear_attention: str | None = None
+    output_gate: bool = False  # full attention multiplies z by a per-head sigmoid gate before o_proj
 
     @property
     def discovered(self) -> bool:
@@ -169,6 +173,11 @@ class Arch:
             return fix(f"{point} exists only in mixture-of-experts models; this is a dense {self.family} model.",
                        f"use a model of a family with experts ({', '.join(moe_families())}); on a dense model "
                        "mlp_act and mlp_out are the MLP's points.")
+        if point in LINEAR_POINTS and self.linear_attention is None:
+            return fix(f"{point} exists only in hybrid linear-attention models (Gated DeltaNet layers); every "
+                       f"{self.family} layer is softmax attention.",
+                       "read q, k, v and z (softmax attention's points), or use a model of a family with linear "
+                       f"attention ({', '.join(linear_families())}).")
         if point == "kv_latent" and self.kv_latent is None:
             return fix(f"kv_latent is the compressed key-value latent of multi-head latent attention; {self.family} "
                        "computes each head's k and v directly.", "read k and v (each head's keys and values).")
@@ -189,6 +198,11 @@ class Arch:
                        + ("is a mixture of experts." if self.moe is not None else
                           "has one input projection, whose output is mlp_pre."),
                        "read mlp_pre (the pre-activation) or mlp_act (after the activation).")
+        if point == "attn_result" and self.output_gate:
+            return fix(f"attn_result is not served for {self.family}: its attention multiplies z by a per-head "
+                       "sigmoid output gate (the second half of q_proj's output) before o_proj.",
+                       "read attn_out (what attention adds to the residual stream), or z and the gate: "
+                       "self_attn.q_proj's output viewed as [n_heads, 2 * d_head], each head's second half.")
         if point == "attn_result" and (self.moe is not None or self.kv_latent is not None):
             return fix(f"attn_result is not served for {self.family}: it is computed from TransformerLens-shaped "
                        "W_O, which is not read for mixture-of-experts or latent-attention models.",
@@ -198,6 +212,7 @@ class Arch:
 
 
 MOE_POINTS = ("router_logits", "expert_weights", "expert_out")
+LINEAR_POINTS = ("lin_q", "lin_k", "lin_v", "lin_beta", "lin_g", "lin_z", "lin_out")
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,6 +231,11 @@ class Dims:
     d_latent: int = 0  # kv_latent's width (MLA's kv_lora_rank); 0: no latent
     # Per layer, the kinds it is (arch/layers.py: which points each kind lacks); (): every layer has every point.
     layer_kinds: tuple[tuple[str, ...], ...] = ()
+    # Linear-attention heads (axes.py): q/k heads and width, v/gate/output heads and width; 0: no such layers.
+    n_lin_k_heads: int = 0
+    n_lin_v_heads: int = 0
+    d_lin_k: int = 0
+    d_lin_v: int = 0
 
     def __post_init__(self):
         if not self.d_head_v:
@@ -274,6 +294,9 @@ def read_dims(config, arch: Arch) -> Dims:
         max_len=getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 2**31,
         n_experts=getattr(config, arch.moe.n_experts_key) if arch.moe is not None else 0,
         top_k=getattr(config, arch.moe.top_k_key) if arch.moe is not None else 0,
+        **({"n_lin_k_heads": config.linear_num_key_heads, "n_lin_v_heads": config.linear_num_value_heads,
+            "d_lin_k": config.linear_key_head_dim, "d_lin_v": config.linear_value_head_dim}
+           if arch.linear_attention else {}),
     )
 
 
@@ -326,13 +349,18 @@ def moe_families() -> tuple[str, ...]:
     return tuple(sorted({arch.family for arch in _registry().values() if arch.moe is not None}))
 
 
+def linear_families() -> tuple[str, ...]:
+    return tuple(sorted({arch.family for arch in _registry().values() if arch.linear_attention is not None}))
+
+
 @functools.cache  # the vLLM worker asks it at every hook install (the family's routing): built once
 def _registry() -> Mapping[str, Arch]:
     from interp_engine.arch import (deepseek_v3, gemma2, gemma3, gpt2, gpt_neox, gpt_oss, llama, mixtral, olmo2, phi,
-                                    phi3, qwen3_moe)
+                                    phi3, qwen3_moe, qwen3_next)
 
     table: dict[str, Arch] = {}
-    for module in (llama, gemma2, gemma3, gpt2, gpt_neox, phi, phi3, olmo2, qwen3_moe, mixtral, gpt_oss, deepseek_v3):
+    for module in (llama, gemma2, gemma3, gpt2, gpt_neox, phi, phi3, olmo2, qwen3_moe, mixtral, gpt_oss, deepseek_v3,
+                   qwen3_next):
         for arch in module.ARCHES:
             for model_type in arch.model_types:
                 table[model_type] = arch
@@ -363,4 +391,4 @@ def arch_for(config, *, name: str = "this model") -> Arch:
 
 def families_with(point: str) -> tuple[str, ...]:
     """The table families that serve `point`, for refusals."""
-    return tuple(dict.fromkeys(a.family for a in _registry().values() if a.serves(point)))
+    return tuple(dict.fromkeys(a.family for a in _registry().values() if a.serves(point) and not a.lacks(point)))

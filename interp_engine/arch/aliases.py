@@ -9,6 +9,9 @@ family's: read as that family, no remote code executed.
   kimi_k25.py maps them the same way). Served as that text model: `load_model` reads `text_config` (with the
   wrapper's dtype and quantization), the weights are read with the prefix dropped (`key_mapping`), and the vision
   tower's and projector's are left unread. Prompts are text only.
+- `qwen3_5`, `qwen3_5_moe` (Qwen3.5, Qwen3.8-27B: Qwen3_5ForConditionalGeneration): the same, `text_config` a
+  `qwen3_5_text` / `qwen3_5_moe_text` config; transformers' own conversion mapping reads the text weights from
+  under `model.language_model.` and leaves the vision tower (`model.visual.`) and the MTP head unread.
 
 The sizer (`sizing_tables`) reads the same `ALIASES`.
 """
@@ -18,8 +21,10 @@ from pathlib import Path
 
 # model_type in config.json -> the transformers model type it is.
 ALIASES = {"kimi_k2": "deepseek_v3"}
-# Multimodal wrappers served as their text model: model_type -> the prefix of the text model's weights.
-WRAPPERS = {"kimi_k25": "language_model."}
+# Multimodal wrappers served as their text model: model_type -> (the text model's type, the prefix of its weights
+# to drop; None where transformers maps them itself).
+WRAPPERS = {"kimi_k25": ("deepseek_v3", "language_model."), "qwen3_5": ("qwen3_5_text", None),
+            "qwen3_5_moe": ("qwen3_5_moe_text", None)}
 _DROPPED = ("auto_map", "model_type", "architectures")
 _STATED = ("dtype", "torch_dtype", "quantization_config")
 
@@ -44,9 +49,9 @@ def aliased_config(folder: str | Path):
         return AutoConfig.for_model(ALIASES[kind], **{k: v for k, v in raw.items() if k not in _DROPPED})
     if kind in WRAPPERS and isinstance(raw.get("text_config"), dict):
         text = raw["text_config"]
-        inner = text.get("model_type")
-        if inner not in ALIASES.values():
+        if text.get("model_type") != WRAPPERS[kind][0]:
             return None
+        inner = WRAPPERS[kind][0]
         # config.json states these on the wrapper (Kimi-K2.5's dtype and int4 scheme): the text model's too.
         stated = {k: raw[k] for k in _STATED if k in raw and k not in text}
         return AutoConfig.for_model(inner, **{k: v for k, v in {**text, **stated}.items() if k not in _DROPPED})
@@ -61,5 +66,6 @@ def hf_kwargs(folder: str | Path, config) -> dict:
     if kind in ALIASES:
         return {"config": config}
     if kind in WRAPPERS:
-        return {"config": config, "key_mapping": {f"^{WRAPPERS[kind].replace('.', '[.]')}": ""}}
+        prefix = WRAPPERS[kind][1]
+        return {"config": config, **({"key_mapping": {f"^{prefix.replace('.', '[.]')}": ""}} if prefix else {})}
     return {}

@@ -12,6 +12,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from interp_engine.addresses import POINTS
+from interp_engine.arch import LINEAR_POINTS
 from interp_engine.arch.discover import RESIDUAL_POINTS
 from validator.comparison.compare import FAILING, STATUSES, Row
 
@@ -113,7 +114,7 @@ def markdown(rows: list[Row], meta: dict) -> str:
 # The README's table: one row per model, one column per backend and num_gpus.
 COLUMNS = (("vllm", 1), ("vllm", 2), ("vllm-static", 1), ("vllm-static", 2))
 _DENSE_OR_MOE = {"mlp_act", "router_logits", "expert_weights"}
-_SOME_FAMILIES = {"kv_latent"}  # latent attention only
+_SOME_FAMILIES = {"kv_latent", *LINEAR_POINTS}  # latent attention only; hybrid linear attention only
 
 
 def point_set(points: set[str]) -> str:

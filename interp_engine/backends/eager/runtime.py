@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from interp_engine.addresses import Address
 from interp_engine.arch import Arch, Dims
 from interp_engine.backends.base import TokenizerRuntime
-from interp_engine.backends.eager import attention
+from interp_engine.backends.eager import attention, linear_attention
 from interp_engine.backends.eager.capabilities import for_handle
 from interp_engine.edits import Step
 from interp_engine.backends.eager.weights import read_weights
@@ -70,6 +70,8 @@ class EagerRuntime(TokenizerRuntime):
                 model.eval()
                 model.requires_grad_(False)
                 model.set_attn_implementation(attention.register(self.attn_implementation))
+                if self.arch.linear_attention is not None:
+                    linear_attention.register(model)
                 self.layout = Layout.of(model, self.arch, self.dims, self.weights)
                 self.model = model
             return self.model

@@ -13,8 +13,9 @@ import torch
 from torch import Tensor
 
 from interp_engine.addresses import Address
-from interp_engine.arch import Arch, Dims, dense_weights, route
+from interp_engine.arch import LINEAR_POINTS, Arch, Dims, dense_weights, route
 from interp_engine.backends.eager.attention import SITE_KW, eager_pattern
+from interp_engine.backends.eager.linear_attention import LinearSite
 from interp_engine.edits import Step, apply, failure
 from interp_engine.errors import InterpEngineError
 from interp_engine.weights import Weights
@@ -136,6 +137,8 @@ class Block:
     mlp_up: torch.nn.Module | None = None  # its output is mlp_pre_linear (the second half: Arch.mlp_pre_half)
     mlp_pre_half: bool = False
     kv_latent: torch.nn.Module | None = None  # its output is kv_latent (multi-head latent attention)
+    linear: torch.nn.Module | None = None  # a linear-attention layer's Gated DeltaNet (arch.linear_attention)
+    lin_rep: int = 1  # value heads per key head there
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,9 +178,12 @@ class Layout:
             gate = layer.get_submodule(moe.router) if sparse else None
             router = Router(gate, moe.routing(config, gate), layer.get_submodule(moe.experts)) if sparse else None
             mlp = (lambda p: at(layer, p)) if dense else (lambda p: None)
-            return Block(layer, at(layer, arch.attention), at(layer, arch.attn_out), mlp(arch.mlp_down),
-                         at(layer, arch.mlp_out), at(layer, arch.mid_norm), router, mlp(arch.mlp_pre),
-                         mlp(arch.mlp_up), arch.mlp_pre_half, at(layer, arch.kv_latent))
+            # A linear-attention layer has no softmax attention; its Gated DeltaNet's output is attn_out.
+            linear = at(layer, arch.linear_attention) if "linear_attention" in kinds else None
+            return Block(layer, None if linear else at(layer, arch.attention), linear or at(layer, arch.attn_out),
+                         mlp(arch.mlp_down), at(layer, arch.mlp_out), at(layer, arch.mid_norm), router,
+                         mlp(arch.mlp_pre), mlp(arch.mlp_up), arch.mlp_pre_half, at(layer, arch.kv_latent), linear,
+                         dims.n_lin_v_heads // (dims.n_lin_k_heads or 1))
 
         return cls(tuple(block(i) for i in range(dims.n_layers)), model.get_submodule(arch.final_norm), weights)
 
@@ -228,6 +234,12 @@ def _layer_hooks(block: Block, i: int, run: Run, weights: "Callable[[], Weights]
         site = AttentionSite(run, i, weights and (lambda: weights().layers[i].W_O))
         handles.append(block.attention.register_forward_pre_hook(
             lambda m, args, kwargs: (args, {**kwargs, SITE_KW: site}), with_kwargs=True))
+
+    if any(run.wants(_at(p, i)) for p in LINEAR_POINTS):
+        site = LinearSite(run, lambda p: _at(p, i), block.lin_rep)
+        handles.append(block.linear.register_forward_pre_hook(site.pre_hook, with_kwargs=True))
+        if run.wants(_at("lin_out", i)) or run.wants(_at("lin_z", i)):
+            handles.append(block.linear.norm.register_forward_pre_hook(site.norm_hook))
 
     if run.wants(attn_out_at) or mid_via_attn:
         def attn_out(module, args, out):

