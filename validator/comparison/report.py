@@ -112,15 +112,17 @@ def markdown(rows: list[Row], meta: dict) -> str:
 
 # The README's table: one row per model, one column per backend and num_gpus.
 COLUMNS = (("vllm", 1), ("vllm", 2), ("vllm-static", 1), ("vllm-static", 2))
-_DENSE, _MOE = {"mlp_act", "mlp_pre", "attn_result"}, {"router_logits", "expert_weights"}
-_SOME_FAMILIES = {"kv_latent", "mlp_pre_linear"}  # latent attention only; gated MLPs only
+_DENSE_OR_MOE = {"mlp_act", "router_logits", "expert_weights"}
+# Latent attention only; TransformerLens's attn_result, mlp_pre, mlp_pre_linear: not on every family (MoE, ungated
+# MLPs), and absent from committed results older than them.
+_SOME_FAMILIES = {"kv_latent", "attn_result", "mlp_pre", "mlp_pre_linear"}
 
 
 def point_set(points: set[str]) -> str:
     """The compared points, named: "every point" where each point the vLLM backends read at every layer was
     compared (the eager-only reads are asked at one layer, apart)."""
-    every = {p for p, info in POINTS.items() if not info.eager_only_read} - _DENSE - _MOE - _SOME_FAMILIES
-    if points >= every and (_DENSE <= points or _MOE <= points):
+    every = {p for p, info in POINTS.items() if not info.eager_only_read} - _DENSE_OR_MOE - _SOME_FAMILIES
+    if points >= every and ("mlp_act" in points or {"router_logits", "expert_weights"} <= points):
         return "every point"
     if points == set(RESIDUAL_POINTS):
         return "residual stream"
