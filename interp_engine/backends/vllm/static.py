@@ -12,8 +12,9 @@ ops only, on buffers allocated once, so it is traced into the graph and replayed
 No Python runs inside the model per step. Around each forward (in the runner's `_model_forward`, outside the
 graph) the host fills the write buffers for this step's rows and, afterwards, copies out the rows of the calls
 that read, gathers tensor-parallel shards, and computes what vLLM does not (logits at every position, the
-logit lens, attention patterns from the tapped q and k, `taps.DERIVED`: attn_result from the tapped z). The calls, their tables and their results are the
-`vllm` backend's (`worker.InterpExtension`), so the driver is the same.
+logit lens, attention patterns from the tapped q and k, `taps.DERIVED`: attn_result from the tapped z). The
+calls, their tables and their results are the `vllm` backend's (`worker.InterpExtension`), so the driver is the
+same.
 """
 
 import functools
