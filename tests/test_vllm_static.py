@@ -142,7 +142,7 @@ def test_steered_generation_and_generated_captures_equal_eager(static, eager):
     family, model = static
     vector = torch.randn(model.d_model, generator=torch.Generator().manual_seed(3))
     spec = S.Add("resid_post.1", vector, scale=4.0) + S.Scale("v.0", 0.5, heads=[1])
-    points = ["resid_post.2", "k.1", "mlp_act.0"]
+    points = ["resid_post.2", "k.1", "mlp_act.0", "attn_result.1", "mlp_pre_linear.2"]
     ours = generate(model, PROMPTS, spec, max_new_tokens=5, stop_at_eos=False, capture=points)
     theirs = generate(eager(family), PROMPTS, spec, max_new_tokens=5, stop_at_eos=False, capture=points)
     assert ours.tokens == theirs.tokens
