@@ -22,8 +22,6 @@ class PointInfo:
     needs_eager_attention: bool = False
     read_only: bool = False  # derived from another point, never written (write that one instead)
     eager_only_read: bool = False  # read on eager only (vLLM's fused kernels never form it)
-    # Read where a per-request hook recomputes it (eager, vllm), not by a tap compiled into the model (vllm-static).
-    hook_read: bool = False
 
     @property
     def head_axis(self) -> int | None:
@@ -52,7 +50,7 @@ POINTS: dict[str, PointInfo] = {
         PointInfo("attn_probs", ("batch", "n_heads", "q_pos", "k_pos"), eager_only_write=True,
                   needs_eager_attention=True),
         PointInfo("z", ("batch", "pos", "n_heads", "d_head_v")),
-        PointInfo("attn_result", ("batch", "pos", "n_heads", "d_model"), read_only=True, hook_read=True),
+        PointInfo("attn_result", ("batch", "pos", "n_heads", "d_model"), read_only=True),
         # A linear-attention (Gated DeltaNet) layer's own points (arch/qwen3_next.py says what each one is).
         PointInfo("lin_q", ("batch", "pos", "n_lin_k_heads", "d_lin_k")),
         PointInfo("lin_k", ("batch", "pos", "n_lin_k_heads", "d_lin_k")),
@@ -63,8 +61,8 @@ POINTS: dict[str, PointInfo] = {
         PointInfo("lin_out", ("batch", "pos", "n_lin_v_heads", "d_lin_v")),
         PointInfo("attn_out", _RESID),
         PointInfo("resid_mid", _RESID),
-        PointInfo("mlp_pre", ("batch", "pos", "d_mlp"), read_only=True, hook_read=True),
-        PointInfo("mlp_pre_linear", ("batch", "pos", "d_mlp"), read_only=True, hook_read=True),
+        PointInfo("mlp_pre", ("batch", "pos", "d_mlp"), read_only=True),
+        PointInfo("mlp_pre_linear", ("batch", "pos", "d_mlp"), read_only=True),
         PointInfo("mlp_act", ("batch", "pos", "d_mlp")),
         PointInfo("mlp_out", _RESID),
         PointInfo("router_logits", ("batch", "pos", "n_experts")),

@@ -113,7 +113,6 @@ class ModelHandle:
         for info in POINTS.values():
             if ((info.needs_eager_attention and not capabilities.patterns) or not self.arch.serves(info.name)
                     or (info.eager_only_read and not capabilities.eager_only_reads)
-                    or (info.hook_read and not capabilities.hook_reads)
                     or self.arch.lacks(info.name)):
                 continue
             if info.layered:

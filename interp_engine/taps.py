@@ -16,6 +16,9 @@ PATTERNS = ("attn_scores", "attn_probs")
 # engine keeps the final norm's output and the unembedding runs on it after the step.
 ALWAYS = (Address("final"), Address("logits"))
 CLAMP_SLOTS = 64  # distinct (SAE, feature) pairs a compiled clamp holds per step, over all the step's calls
+# Reads recomputed after the step from another point's tapped rows, as the vllm backend recomputes them in its
+# hooks (backends/vllm/derived.py): expert_weights from the router's logits, attn_result from z and o_proj.
+DERIVED = {"expert_weights": "router_logits", "attn_result": "z"}
 
 
 def declare(points: Any, n_layers: int, *, keyword: str) -> tuple[Address, ...]:
@@ -50,20 +53,15 @@ class Taps:
             raise SpecError(fix(f"static_points={eager_reads}: these points are read on the eager backend only "
                                 "(vLLM's fused kernels never form them).",
                                 "drop them from static_points; read them with backend=\"eager\"."))
-        hooked = [str(a) for a in reads if a.info.hook_read]
-        if hooked:
-            raise SpecError(fix(f"static_points={hooked}: these points are recomputed per request by a hook, which "
-                                "taps compiled into the model do not run.",
-                                'drop them from static_points; read them with backend="vllm" (or "eager").'))
         return cls(tuple(a for a in reads if a not in ALWAYS), writes, tuple(dict.fromkeys(clamps)))
 
     def buffers(self) -> tuple[Address, ...]:
         """The points that get a read buffer: the declared reads, the final norm's output (logits come from
-        it), and for an attention pattern its layer's q and k (the pattern is recomputed from them)."""
+        it), for an attention pattern its layer's q and k (the pattern is recomputed from them), and for a
+        DERIVED read the point it is recomputed from."""
         out = {a for a in self.reads if a.point not in PATTERNS and a not in ALWAYS} | {ALWAYS[0]}
         out |= {Address(p, a.layer) for a in self.reads if a.point in PATTERNS for p in ("q", "k")}
-        # expert_weights are recomputed from the layer's router logits, as vLLM's top-k computes them.
-        out = {Address("router_logits", a.layer) if a.point == "expert_weights" else a for a in out}
+        out = {Address(DERIVED[a.point], a.layer) if a.point in DERIVED else a for a in out}
         return tuple(sorted(out))
 
     def readable(self) -> tuple[Address, ...]:

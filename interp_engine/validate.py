@@ -36,8 +36,6 @@ def feature_shape(address: Address, dims: Dims, width: int) -> tuple[int, ...]:
 _EAGER_ONLY = {
     "expert_out": ("each expert's output apart from the weighted sum", "mlp_out (their weighted sum) and expert_weights"),
 }
-# Per hook-only point: what to read on vllm-static instead.
-_HOOK_ONLY = {"attn_result": "z (and multiply by model.W_O) or attn_out", "mlp_pre": "mlp_act", "mlp_pre_linear": "mlp_act"}
 # Per read-only point: why it cannot be written, and the fix ({L}: the layer).
 _EXPERTS = "write router_logits.{L} to change which experts are chosen, or mlp_out.{L} to change what they add."
 _READ_ONLY = {
@@ -72,13 +70,6 @@ def _resolve(address: Address, model, problems: list) -> Address | None:
         problems.append(BackendError(fix(
             f"{resolved} is read on the eager backend only: {model.capabilities.backend}'s fused kernels never "
             f"form {never}.", f'load with load_model({model.name!r}, backend="eager"), or read {instead} here.')))
-        return None
-    if resolved.info.hook_read and not model.capabilities.hook_reads:
-        problems.append(BackendError(fix(
-            f"{resolved} is recomputed per request by a hook (on eager and vllm); {model.capabilities.backend}'s "
-            "taps are compiled into the model and do not recompute it.",
-            f'load with load_model({model.name!r}, backend="vllm") (or "eager"), or read '
-            f"{_HOOK_ONLY[resolved.point]} here.")))
         return None
     served = model.capabilities.served
     if served is not None and resolved.point not in served:

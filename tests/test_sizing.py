@@ -215,7 +215,8 @@ def test_a_checkpoint_that_ships_quantized_is_priced_as_shipped():
 
 def test_static_points_price_the_buffers_the_taps_allocate():
     """One step of rows per tapped point at this rank's width, plus the final norm's output (logits come from
-    it); an attention pattern is recomputed from its layer's q and k, so those are what it costs."""
+    it); an attention pattern is recomputed from its layer's q and k, and attn_result from its layer's z, so
+    those are what they cost."""
     points = ["resid_post.10", "mlp_act.3", "q.0", "k.-1"]
     widths = 5120 + 25600 + 64 * 128 + 8 * 128 + 5120
     on_h100 = estimate_from_config(QWEN3_32B, backend="vllm-static", static_points=points, max_model_len=4096)
@@ -229,6 +230,9 @@ def test_static_points_price_the_buffers_the_taps_allocate():
     assert auto.capture_bytes == 65 * 16_384 * 5120 * 2  # the residual stream is whole on every rank
     scores = estimate_from_config(QWEN3_32B, backend="vllm-static", static_points=["attn_probs.0"], max_model_len=1024)
     assert scores.capture_bytes == 16_384 * (64 * 128 + 8 * 128 + 5120) * 2
+    tl = estimate_from_config(QWEN3_32B, backend="vllm-static", static_points=["attn_result.0", "mlp_pre.1"],
+                              num_gpus=4)
+    assert tl.capture_bytes == 16_384 * (16 * 128 + 25600 // 4 + 5120) * 2  # z's heads, not n_heads x d_model
 
 
 def test_static_writes_price_a_mul_and_an_add_buffer_each():

@@ -106,18 +106,20 @@ def test_new_points_refused_with_the_fix(eager, family, call, error, fragments):
 
 
 @requires("vllm")
-def test_new_points_on_vllm_static_refused_naming_vllm_before_the_engine_starts(tiny_path):
-    """vllm serves them (recomputed in its per-request hooks: tests/test_vllm_tl.py); vllm-static's compiled taps
-    do not, and its refusals name vllm."""
+def test_new_points_on_vllm_static_are_declared_taps_refused_undeclared_before_the_engine_starts(tiny_path):
+    """Both vLLM backends serve them (vllm in its per-request hooks: tests/test_vllm_tl.py; vllm-static from its
+    compiled taps: tests/test_vllm_static.py); on vllm-static they are declared like any point, and an undeclared
+    one is refused naming static_points. Where the architecture lacks one, declaring it is refused at load."""
     path = str(tiny_path("llama"))
     assert {"attn_result", "mlp_pre", "mlp_pre_linear"} <= {a.point for a in load_model(path, backend="vllm").points()}
-    with pytest.raises(SpecError, match=r"(?s)static_points=\['attn_result.1'\]: .*recomputed per request.*"
-                                        r'Fix: .*backend="vllm"'):
-        load_model(path, backend="vllm-static", static_points=["attn_result.1"])
-    model = load_model(path, backend="vllm-static", static_points=["z.0"])
+    model = load_model(path, backend="vllm-static", static_points=["z.0", "attn_result.1", "mlp_pre_linear.0"])
+    assert {"attn_result.1", "mlp_pre_linear.0"} <= {str(a) for a in model.points()}
     with pytest.raises(SpecError) as info:  # both problems at once
         capture(model, PROMPTS[0], ["attn_result.0", "mlp_pre.1"])
-    for fragment in ("attn_result.0 is recomputed per request by a hook", "mlp_pre.1 is recomputed",
-                     'backend="vllm"', "read z", "read mlp_act"):
+    for fragment in ("attn_result.0 is not read by this vllm-static engine", "mlp_pre.1 is not read",
+                     "static_points are [z.0, attn_result.1, mlp_pre_linear.0, final, logits]",
+                     'static_points=[..., "attn_result.0"]', 'static_points=[..., "mlp_pre.1"]'):
         assert fragment in str(info.value), (fragment, str(info.value))
     assert model.runtime.llm is None, "refused before the engine started"
+    with pytest.raises(PointError, match=r"(?s)attn_result cannot be declared for .*mixture-of-experts.*Fix: read z"):
+        load_model(str(tiny_path("mixtral")), backend="vllm-static", static_points=["attn_result.0"])

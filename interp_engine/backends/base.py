@@ -50,7 +50,6 @@ class Capabilities:
     taps: Taps | None = None  # per handle, on a backend that declares taps: the declared points
     served: frozenset[str] | None = None  # per handle, the points its architecture has (None: every point)
     eager_only_reads: bool = False  # points with eager_only_read are readable (expert_out)
-    hook_reads: bool = False  # points with hook_read are readable (attn_result, mlp_pre, mlp_pre_linear)
 
     def serves(self, verb: str) -> bool:
         return verb in self.verbs
@@ -59,7 +58,6 @@ class Capabilities:
         """Whether a resolved address is readable on this handle (what `validate.plan` accepts)."""
         return (self.points and (self.patterns or not address.info.needs_eager_attention)
                 and (self.eager_only_reads or not address.info.eager_only_read)
-                and (self.hook_reads or not address.info.hook_read)
                 and (self.served is None or address.point in self.served)
                 and (self.taps is None or address in self.taps.readable()))
 

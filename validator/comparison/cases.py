@@ -37,10 +37,9 @@ class SteerCase:
 
 def has_point(name: str, dims: Dims, served: Collection[str] | None = None) -> bool:
     """A mixture-of-experts model has router_logits and expert_weights and no mlp_act; a dense one the other way
-    round. expert_out is read on eager only, and attn_result, mlp_pre, mlp_pre_linear by hooks only (eager, vllm):
-    `hook_reads` asks them of every backend. `served`: the point names the model's arch serves (a discovered
-    model: the residual stream only); None: every point."""
-    if POINTS[name].eager_only_read or POINTS[name].hook_read or (served is not None and name not in served):
+    round. expert_out is read on eager only: `eager_only_reads` asks it of every backend. `served`: the point
+    names the model's arch serves (a discovered model: the residual stream only); None: every point."""
+    if POINTS[name].eager_only_read or (served is not None and name not in served):
         return False
     return name not in ("router_logits", "expert_weights", "mlp_act") or (name != "mlp_act") == bool(dims.n_experts)
 
@@ -51,11 +50,11 @@ def served_points(arch) -> tuple[str, ...]:
 
 
 def eager_only_reads(dims: Dims, served: Collection[str]) -> list[Address]:
-    """The points only eager reads (vLLM's fused kernels never form them) or only hooks read (eager and vllm, not
-    vllm-static's compiled taps), at the middle layer: a backend that refuses one must do so before any request,
-    which the report lists as not served; one that serves it is compared with eager."""
+    """The points only eager reads (vLLM's fused kernels never form them), at the middle layer: a backend that
+    refuses one must do so before any request, which the report lists as not served; one that serves it is
+    compared with eager."""
     return [Address(name, steer_layer(dims)) for name, info in POINTS.items()
-            if (info.eager_only_read or info.hook_read) and name in served]
+            if info.eager_only_read and name in served]
 
 
 def steer_layer(dims: Dims) -> int:

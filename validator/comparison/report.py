@@ -114,14 +114,15 @@ def markdown(rows: list[Row], meta: dict) -> str:
 # The README's table: one row per model, one column per backend and num_gpus.
 COLUMNS = (("vllm", 1), ("vllm", 2), ("vllm-static", 1), ("vllm-static", 2))
 _DENSE_OR_MOE = {"mlp_act", "router_logits", "expert_weights"}
-_SOME_FAMILIES = {"kv_latent", *LINEAR_POINTS}  # latent attention only; hybrid linear attention only
+# Latent attention only; hybrid linear attention only; TransformerLens's attn_result, mlp_pre, mlp_pre_linear:
+# not on every family (MoE, ungated MLPs), and absent from committed results older than them.
+_SOME_FAMILIES = {"kv_latent", *LINEAR_POINTS, "attn_result", "mlp_pre", "mlp_pre_linear"}
 
 
 def point_set(points: set[str]) -> str:
     """The compared points, named: "every point" where each point the vLLM backends read at every layer was
-    compared (the eager-only and hook-only reads are asked at one layer, apart)."""
-    every = {p for p, info in POINTS.items() if not (info.eager_only_read or info.hook_read)} - _DENSE_OR_MOE \
-        - _SOME_FAMILIES
+    compared (the eager-only reads are asked at one layer, apart)."""
+    every = {p for p, info in POINTS.items() if not info.eager_only_read} - _DENSE_OR_MOE - _SOME_FAMILIES
     if points >= every and ("mlp_act" in points or {"router_logits", "expert_weights"} <= points):
         return "every point"
     if points == set(RESIDUAL_POINTS):

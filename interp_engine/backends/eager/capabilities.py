@@ -12,7 +12,6 @@ EAGER = Capabilities(
     # One call is one batched forward in this process: the batch mean is defined and Python functions run here.
     mean_ablation=True, custom_ops=True, gradients=True,
     quantization=frozenset({"bnb-4bit", "bnb-8bit"}), vllm_engine=False, declares_taps=False, eager_only_reads=True,
-    hook_reads=True,
 )
 
 

@@ -13,7 +13,7 @@ _ENGINE = dict(mean_ablation=False, custom_ops=False, gradients=False, quantizat
 
 VLLM = Capabilities(
     backend="vllm", verbs=frozenset({"capture", "steer", "generate", "logit_lens"}), points=True, patterns=True,
-    eager_only_writes=False, declares_taps=False, hook_reads=True, **_ENGINE,
+    eager_only_writes=False, declares_taps=False, **_ENGINE,
     fixed_engine_args=("enforce_eager", "worker_extension_cls", "worker_cls"),
     fixed_because="its hooks need an uncompiled model (enforce_eager=True) and interp_engine's worker extension",
     fixed_instead='; backend="vllm-generate" runs a plain engine',

@@ -12,8 +12,9 @@ ops only, on buffers allocated once, so it is traced into the graph and replayed
 No Python runs inside the model per step. Around each forward (in the runner's `_model_forward`, outside the
 graph) the host fills the write buffers for this step's rows and, afterwards, copies out the rows of the calls
 that read, gathers tensor-parallel shards, and computes what vLLM does not (logits at every position, the
-logit lens, attention patterns from the tapped q and k). The calls, their tables and their results are the
-`vllm` backend's (`worker.InterpExtension`), so the driver is the same.
+logit lens, attention patterns from the tapped q and k, `taps.DERIVED`: attn_result from the tapped z). The
+calls, their tables and their results are the `vllm` backend's (`worker.InterpExtension`), so the driver is the
+same.
 """
 
 import functools
@@ -29,11 +30,11 @@ from interp_engine.backends.vllm import compat, wire
 from interp_engine.backends.vllm.patterns import record_patterns
 from interp_engine.backends.vllm.static_clamp import ClampTap
 from interp_engine.backends.vllm.sites import FINAL, LAYER_SITES, LOGITS, MODEL_SITES, Site, module_of, register
-from interp_engine.backends.vllm.derived import expert_weights
+from interp_engine.backends.vllm.derived import expert_weights, head_results, record
 from interp_engine.backends.vllm.worker import InterpExtension, StepState, WorkerCall, layout_of
 from interp_engine.edits import affine, failure
 from interp_engine.spec import Clamp
-from interp_engine.taps import PATTERNS, Taps
+from interp_engine.taps import DERIVED, PATTERNS, Taps
 
 CONFIG_KEY = wire.CONFIG_KEY
 
@@ -80,7 +81,7 @@ class StaticTaps:
         self.layout = layout = layout_of(runner)
         self.state = StepState(runner, calls)
         self.shards = shards = self.state.shards
-        layers = list(self.model.get_submodule(layout.layers))
+        self.layers = layers = list(self.model.get_submodule(layout.layers))
         self.attention = [layer.get_submodule(layout.attention) for layer in layers]
         self.d_model = compat.hidden_size(runner)
 
@@ -160,9 +161,9 @@ class StaticTaps:
         qk: dict[Address, Tensor] = {}
         for address, buf in self.reads.items():
             needs_qk = address.point in ("q", "k") and address.layer in pattern_layers
-            weights = Address("expert_weights", address.layer) if address.point == "router_logits" else None
+            derived = next((Address(p, address.layer) for p, src in DERIVED.items() if src == address.point), None)
             if (address not in wanted and not needs_qk and not (address == FINAL and LOGITS in wanted)
-                    and weights not in wanted):
+                    and derived not in wanted):
                 continue
             x = self.shards.present(address.point, buf[:n])
             for active in state.active:
@@ -175,15 +176,18 @@ class StaticTaps:
                 for active in state.active:
                     if LOGITS in active.call.reads:
                         state.keep(active, LOGITS, logits.index_select(0, active.rows), copied=True)
-            if weights in wanted:  # recomputed from the tapped router logits, as vLLM's top-k computed them
-                dense = expert_weights(x, state.routing)
-                for active in state.active:
-                    if weights in active.call.reads:
-                        state.keep(active, weights, dense.index_select(0, active.rows), copied=True)
+            if derived in wanted:  # from the tapped rows (after any edit there), by the vllm backend's formula
+                record(state, derived, lambda: self._derive(derived, x))
             if needs_qk:
                 qk[address] = x
         for layer in pattern_layers:
             record_patterns(state, layer, qk[Address("q", layer)], qk[Address("k", layer)], self.attention[layer])
+
+    def _derive(self, address: Address, x: Tensor) -> Tensor:
+        if address.point == "expert_weights":
+            return expert_weights(x, self.state.routing)
+        o_proj = self.layers[address.layer].get_submodule(self.layout.o_proj)
+        return head_results(self.shards, x, o_proj)
 
 
 def _tap_site(site: Site, root, layer: int | None, layout, bodies: dict[Address, Callable]) -> list:
