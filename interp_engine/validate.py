@@ -27,7 +27,9 @@ class Plan:
 
 
 def feature_shape(address: Address, dims: Dims, width: int) -> tuple[int, ...]:
-    """One position's shape at `address` (for attention patterns: one query row, `width` keys)."""
+    """One position's shape at `address` (for attention patterns: one query row, `width` keys), in the sizes of
+    its layer (`Dims.at`: Gemma 4's global layers have their own head width)."""
+    dims = dims.at(address.layer)
     sizes = {"d_model": dims.d_model, "n_heads": dims.n_heads, "n_kv_heads": dims.n_kv_heads,
              "d_head": dims.d_head, "d_head_v": dims.d_head_v, "d_mlp": dims.d_mlp, "d_vocab": dims.d_vocab,
              "k_pos": width, "n_experts": dims.n_experts, "top_k": dims.top_k, "d_latent": dims.d_latent}
@@ -95,7 +97,7 @@ def _resolve(address: Address, model, problems: list) -> Address | None:
 
 
 def _check_value(op, name: str, shape: tuple[int, ...], address: Address, feat: tuple[int, ...],
-                 n_prompts: int, problems: list) -> None:
+                 n_prompts: int, problems: list, own: tuple = ()) -> None:
     if 0 in shape:
         problems.append(SpecError(fix(f"{type(op).__name__} at {address}: {name} has shape {shape}, with an empty "
                                       "axis, so it holds no value to write.",
@@ -124,7 +126,8 @@ def _check_value(op, name: str, shape: tuple[int, ...], address: Address, feat: 
         remedy = f"pass the whole point ({whole}, {feat[0]}, q_pos, k_pos) as a capture returns it, e.g. an edited " \
                  f'copy of capture(model, tokens, ["{address}"])["{address}"].'
     problems.append(SpecError(fix(
-        f"{type(op).__name__} at {address}: {name} has shape {shape}, but {address.point} holds {feat} per position.",
+        f"{type(op).__name__} at {address}: {name} has shape {shape}, but {address.point} holds {feat} per position"
+        + (f" (layer {address.layer}'s own widths: {', '.join(f'{n} {v}' for n, v in own)})." if own else "."),
         remedy)))
 
 
@@ -261,7 +264,8 @@ def plan(model, spec: Spec, reads: Iterable[Address], *, n_prompts: int, longest
             _check_sae(op.sae, address, model, problems)
         if isinstance(op, Add | Set | Patch):
             name = {Add: "vector", Set: "value", Patch: "source"}[type(op)]
-            _check_value(op, name, getattr(op, name).shape, address, feat, n_prompts, problems)
+            own = model.dims.layer_sizes[address.layer] if model.dims.layer_sizes and address.layer is not None else ()
+            _check_value(op, name, getattr(op, name).shape, address, feat, n_prompts, problems, own)
         heads = getattr(op, "heads", None)
         if heads is not None:
             axis = address.info.head_axis
@@ -269,7 +273,8 @@ def plan(model, spec: Spec, reads: Iterable[Address], *, n_prompts: int, longest
                 problems.append(SpecError(fix(f"{type(op).__name__} at {address} names heads, but {address.point} has no "
                                     "head axis.", "drop heads=, or target q, k, v, z, attn_scores or attn_probs.")))
             else:
-                count = model.n_kv_heads if address.info.axes[axis] == "n_kv_heads" else model.n_heads
+                count = model.dims.at(address.layer).n_kv_heads if address.info.axes[axis] == "n_kv_heads" \
+                    else model.n_heads
                 bad = [h for h in heads if not 0 <= h < count]
                 if bad:
                     problems.append(PointError(fix(f"heads {bad} at {address} do not exist: {address.point} has {count} heads.",

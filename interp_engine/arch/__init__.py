@@ -6,9 +6,10 @@ the causal-LM model (`layers`, `final_norm`, `unembed`) or to one decoder layer 
 
 import functools
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 
+from interp_engine.arch.layers import config_value
 from interp_engine.errors import LoadError, fix
 
 
@@ -153,6 +154,16 @@ class Arch:
     # config key of its width.
     kv_latent: str | None = None
     d_latent_key: str | None = None
+    # Gemma 4 (arch/gemma4.py): the config keys of how many last layers reuse earlier keys and values (kind
+    # "kv_shared") and of their double-wide MLP; the attention kwarg holding the reused pair (edits are stored there);
+    # mlp_tail: the block does more after the MLP's residual add (a resid_mid write goes through attn_out).
+    kv_shared_key: str | None = None
+    kv_shares: str | None = None
+    double_wide_key: str | None = None
+    mlp_tail: bool = False
+    weights_refusal: str | None = None  # why TransformerLens-shaped weights (and attn_result) are not served
+    # Config flags this table does not cover: (key, why, fix), refused at load where the flag is set.
+    unserved: tuple[tuple[str, str, str], ...] = ()
 
     @property
     def discovered(self) -> bool:
@@ -189,9 +200,10 @@ class Arch:
                        + ("is a mixture of experts." if self.moe is not None else
                           "has one input projection, whose output is mlp_pre."),
                        "read mlp_pre (the pre-activation) or mlp_act (after the activation).")
-        if point == "attn_result" and (self.moe is not None or self.kv_latent is not None):
+        if point == "attn_result" and (self.moe is not None or self.kv_latent is not None or self.weights_refusal):
             return fix(f"attn_result is not served for {self.family}: it is computed from TransformerLens-shaped "
-                       "W_O, which is not read for mixture-of-experts or latent-attention models.",
+                       "W_O, which is not read for mixture-of-experts or latent-attention models"
+                       + (f", nor for {self.weights_refusal}." if self.weights_refusal else "."),
                        "read z and multiply by each head's slice of self_attn.o_proj.weight (its columns "
                        "h*d:(h+1)*d, d the width of z's heads).")
         return None
@@ -216,12 +228,26 @@ class Dims:
     d_latent: int = 0  # kv_latent's width (MLA's kv_lora_rank); 0: no latent
     # Per layer, the kinds it is (arch/layers.py: which points each kind lacks); (): every layer has every point.
     layer_kinds: tuple[tuple[str, ...], ...] = ()
+    # Per layer, the sizes in which it differs from the above, as (name, size) pairs (Gemma 4: a global layer's
+    # d_head and n_kv_heads, a KV-shared layer's double-wide d_mlp); (): every layer has the model's sizes.
+    layer_sizes: tuple[tuple[tuple[str, int], ...], ...] = ()
 
     def __post_init__(self):
         if not self.d_head_v:
             object.__setattr__(self, "d_head_v", self.d_head)
-        # From JSON (the validator's saved dims) the kinds come back as lists.
+        # From JSON (the validator's saved dims) the kinds and sizes come back as lists.
         object.__setattr__(self, "layer_kinds", tuple(tuple(k) for k in self.layer_kinds))
+        object.__setattr__(self, "layer_sizes", tuple(tuple((n, s) for n, s in ls) for ls in self.layer_sizes))
+
+    def at(self, layer: int | None) -> "Dims":
+        """The sizes of layer `layer` (resolved): this model's, with that layer's own where it differs."""
+        own = self.layer_sizes[layer] if self.layer_sizes and layer is not None else ()
+        if not own:
+            return self
+        sizes = dict(own)
+        if "d_head" in sizes and "d_head_v" not in sizes and self.d_head_v == self.d_head:
+            sizes["d_head_v"] = sizes["d_head"]
+        return replace(self, layer_sizes=(), **sizes)
 
 
 # The sizes read_dims takes from config.json, each a whole number of at least 1 when present (the first four
@@ -239,7 +265,7 @@ def check_sizes(config, arch: Arch | None = None) -> None:
     before transformers reads it (whose own checks divide by num_attention_heads): numbers present must be >= 1."""
     raw = isinstance(config, Mapping)
     for key in _RAW_SIZES if raw else (*_SIZES, *arch.d_mlp_keys):
-        value = config.get(key) if raw else getattr(config, key, None)
+        value = config.get(key) if raw else config_value(config, key)
         if value is None and (raw or key not in _SIZES[:4]):
             continue
         if raw and (isinstance(value, bool) or not isinstance(value, int | float)):
@@ -257,18 +283,21 @@ def read_dims(config, arch: Arch) -> Dims:
     d_mlp = next((getattr(config, k) for k in arch.d_mlp_keys if getattr(config, k, None)), 4 * d_model)
     if arch.moe is not None and arch.moe.dense_first_key is None:
         _check_every_layer_sparse(config, arch)
-    from interp_engine.arch.layers import layer_kinds
+    from interp_engine.arch.layers import check_served_config, layer_kinds, layer_sizes
 
-    width = lambda keys: next((getattr(config, k) for k in keys if getattr(config, k, None)), 0)  # noqa: E731
+    check_served_config(config, arch)
+    width = lambda keys: next((config_value(config, k) for k in keys if config_value(config, k)), 0)  # noqa: E731
+    heads = dict(n_kv_heads=config_value(config, "num_key_value_heads") or n_heads,
+                 d_head=width(arch.d_head_keys) or d_model // n_heads)
     return Dims(
         n_layers=config.num_hidden_layers,
         d_model=d_model,
         n_heads=n_heads,
-        n_kv_heads=getattr(config, "num_key_value_heads", None) or n_heads,
-        d_head=width(arch.d_head_keys) or d_model // n_heads,
+        **heads,
         d_head_v=width(arch.d_head_v_keys),
         d_latent=getattr(config, arch.d_latent_key) if arch.d_latent_key else 0,
         layer_kinds=layer_kinds(config, arch),
+        layer_sizes=layer_sizes(config, arch, {**heads, "d_mlp": d_mlp}),
         d_mlp=d_mlp,
         d_vocab=config.vocab_size,
         max_len=getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 2**31,
@@ -328,11 +357,12 @@ def moe_families() -> tuple[str, ...]:
 
 @functools.cache  # the vLLM worker asks it at every hook install (the family's routing): built once
 def _registry() -> Mapping[str, Arch]:
-    from interp_engine.arch import (deepseek_v3, gemma2, gemma3, gpt2, gpt_neox, gpt_oss, llama, mixtral, olmo2, phi,
-                                    phi3, qwen3_moe)
+    from interp_engine.arch import (deepseek_v3, gemma2, gemma3, gemma4, gpt2, gpt_neox, gpt_oss, llama, mixtral, olmo2,
+                                    phi, phi3, qwen3_moe)
 
     table: dict[str, Arch] = {}
-    for module in (llama, gemma2, gemma3, gpt2, gpt_neox, phi, phi3, olmo2, qwen3_moe, mixtral, gpt_oss, deepseek_v3):
+    for module in (llama, gemma2, gemma3, gemma4, gpt2, gpt_neox, phi, phi3, olmo2, qwen3_moe, mixtral, gpt_oss,
+                   deepseek_v3):
         for arch in module.ARCHES:
             for model_type in arch.model_types:
                 table[model_type] = arch

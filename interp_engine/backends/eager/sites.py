@@ -74,6 +74,8 @@ class AttentionSite:
 
     def __init__(self, run: Run, layer: int, w_o: Callable[[], Tensor] | None = None):
         self.run, self.layer, self.w_o = run, layer, w_o
+        # Gemma 4: the dict later KV-shared layers read this layer's keys and values from (None: none do).
+        self.shares: dict | None = None
         self.q, self.k, self.v, self.z, self.scores, self.probs, self.result = (
             _at(p, layer) for p in ("q", "k", "v", "z", "attn_scores", "attn_probs", "attn_result"))
 
@@ -94,8 +96,13 @@ class AttentionSite:
         run = self.run
         if run.wants(self.q):
             query = _swap(run.touch(self.q, _swap(query)))
+        stored = key, value
         key = self._kv(self.k, key, query.shape[2])
         value = self._kv(self.v, value, query.shape[2])
+        if self.shares is not None and (key is not stored[0] or value is not stored[1]):
+            # HF stored the unedited pair before calling us; the sharing layers attend over the edited one (as
+            # they do on vLLM, whose shared KV cache is written after our edit).
+            self.shares[module.layer_type] = key, value
         scores, probs = self.scores, self.probs
         if run.wants(scores) or run.wants(probs):
             out, weights = eager_pattern(
@@ -136,6 +143,8 @@ class Block:
     mlp_up: torch.nn.Module | None = None  # its output is mlp_pre_linear (the second half: Arch.mlp_pre_half)
     mlp_pre_half: bool = False
     kv_latent: torch.nn.Module | None = None  # its output is kv_latent (multi-head latent attention)
+    mlp_tail: bool = False  # Arch.mlp_tail: resid_mid is written through attn_out
+    kv_shares: str | None = None  # Arch.kv_shares: the attention kwarg holding the keys later layers reuse
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,7 +186,8 @@ class Layout:
             mlp = (lambda p: at(layer, p)) if dense else (lambda p: None)
             return Block(layer, at(layer, arch.attention), at(layer, arch.attn_out), mlp(arch.mlp_down),
                          at(layer, arch.mlp_out), at(layer, arch.mid_norm), router, mlp(arch.mlp_pre),
-                         mlp(arch.mlp_up), arch.mlp_pre_half, at(layer, arch.kv_latent))
+                         mlp(arch.mlp_up), arch.mlp_pre_half, at(layer, arch.kv_latent), arch.mlp_tail,
+                         arch.kv_shares)
 
         return cls(tuple(block(i) for i in range(dims.n_layers)), model.get_submodule(arch.final_norm), weights)
 
@@ -205,8 +215,9 @@ def _layer_hooks(block: Block, i: int, run: Run, weights: "Callable[[], Weights]
         _at(p, i) for p in ("resid_pre", "attn_out", "resid_mid", "mlp_act", "mlp_out", "resid_post"))
     handles = []
     needs_mid = run.wants(resid_mid)
-    # Parallel blocks have no resid_mid in the forward: it is realised through attn_out (resid_pre + attn_out).
-    mid_via_attn = needs_mid and block.mid_norm is None
+    # Parallel blocks have no resid_mid in the forward: it is realised through attn_out (resid_pre + attn_out); so
+    # is it where the block does more after the MLP's residual add than a hook could redo (Arch.mlp_tail).
+    mid_via_attn = needs_mid and (block.mid_norm is None or block.mlp_tail)
 
     if run.wants(resid_pre) or mid_via_attn or (i == 0 and run.wants(EMBED)):
         def layer_in(module, args, kwargs):
@@ -226,8 +237,12 @@ def _layer_hooks(block: Block, i: int, run: Run, weights: "Callable[[], Weights]
 
     if any(run.wants(_at(p, i)) for p in ("q", "k", "v", "z", "attn_scores", "attn_probs", "attn_result")):
         site = AttentionSite(run, i, weights and (lambda: weights().layers[i].W_O))
-        handles.append(block.attention.register_forward_pre_hook(
-            lambda m, args, kwargs: (args, {**kwargs, SITE_KW: site}), with_kwargs=True))
+
+        def attention_in(module, args, kwargs):
+            if block.kv_shares is not None and getattr(module, "store_full_length_kv", False):
+                site.shares = kwargs.get(block.kv_shares)
+            return args, {**kwargs, SITE_KW: site}
+        handles.append(block.attention.register_forward_pre_hook(attention_in, with_kwargs=True))
 
     if run.wants(attn_out_at) or mid_via_attn:
         def attn_out(module, args, out):
@@ -235,8 +250,8 @@ def _layer_hooks(block: Block, i: int, run: Run, weights: "Callable[[], Weights]
             if mid_via_attn:
                 r = run.stash[i] + a
                 edited = run.touch(resid_mid, r)
-                if edited is not r:  # realised through attn_out: the block adds exactly this to the residual
-                    a = a + (edited - r)
+                if edited is not r:  # realised through attn_out: the block adds resid_pre to what we return
+                    a = _through(run.stash[i], a, r, edited)
             return _with_first(out, a)
         handles.append(block.attn_out.register_forward_hook(attn_out))
 
@@ -261,6 +276,15 @@ def _layer_hooks(block: Block, i: int, run: Run, weights: "Callable[[], Weights]
         handles.append(layer.register_forward_hook(
             lambda m, a, out: _with_first(out, run.touch(resid_post, _first(out)))))
     return handles
+
+
+def _through(pre: Tensor, a: Tensor, r: Tensor, edited: Tensor) -> Tensor:
+    """What attention must add to `pre` for the block's resid_mid to be `edited` (r = pre + a, unedited). Shifting a
+    by (edited - r) keeps a small edit exact (a zero one bit for bit); edited - pre a large one (a zeroed stream
+    exactly 0, which the MLP's norm would otherwise scale up from rounding): each element takes the one whose sum
+    with pre is exact."""
+    shifted = a + (edited - r)
+    return torch.where(pre + shifted == edited, shifted, edited - pre)
 
 
 def _mlp_pre_hooks(block: Block, i: int, run: Run) -> list:
