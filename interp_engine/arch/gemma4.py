@@ -30,7 +30,18 @@ differ and KV-shared layers have no k or v projections. Eager only for now (`vll
 
 import dataclasses
 
-from interp_engine.arch import gemma2
+from interp_engine.arch import VllmLayout, gemma2
+
+# Where the points would sit in vLLM 0.32's gemma4.py (Gemma4ForCausalLM): checked against its module tree
+# (tests/test_gemma4.py builds it on the meta device), not served. Its layers take (positions, hidden, residual,
+# per_layer_input) and return (stream, None) ("first"); the norms are plain, each output added by the layer itself
+# (no fused add-norm), so resid_mid is the input of `pre_feedforward_layernorm` and a write needs the eager route
+# (through attn_out); a KV-shared layer's Attention is called as (q, None, None), reading its target layer's cache,
+# so the patterns there need that layer's keys. Both need site codecs of their own.
+VLLM_UNSERVED = VllmLayout(layers="model.layers", final_norm="model.norm", attention="self_attn.attn",
+                           o_proj="self_attn.o_proj", attn_out="post_attention_layernorm",
+                           mlp_out="post_feedforward_layernorm", mlp_down="mlp.down_proj", mlp_in="mlp.gate_up_proj",
+                           mid_norm="pre_feedforward_layernorm", stream_out="first")
 
 ARCHES = (dataclasses.replace(
     gemma2.ARCHES[0], family="gemma4", model_types=("gemma4_text",), vllm=None, normalization="rmsnorm",
