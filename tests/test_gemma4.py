@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.models.gemma4 import modeling_gemma4
 
-from interp_engine import capture, generate, load_model, steer
+from interp_engine import capture, generate, load_model, run_with_grad, steer
 from interp_engine import spec as S
 from interp_engine.errors import InterpEngineError
 from interp_engine.validate import feature_shape
@@ -274,3 +274,34 @@ def test_the_unserved_vllm_table_names_modules_of_vllms_own_gemma4_tree(tiny_pat
         assert kind == "Attention"
         assert target == ({2: f"{table.layers}.0.{table.attention}", 3: f"{table.layers}.1.{table.attention}"}
                           .get(i)), (i, target)
+
+
+def test_gradients_at_each_layers_width_and_through_the_shared_keys(eager, reference):
+    """d loss / d resid_mid.2 equals autograd by hand on HF (at post_attention_layernorm's output, which only
+    resid_mid reads); d loss / d k.1 (keys layer 3 reuses) has layer 1's width and agrees with a central difference
+    of steered forwards along a direction."""
+    model = eager(FAMILY, grad=True)
+    tokens = model.to_tokens(PROMPTS[2])
+
+    def loss(logits):
+        return torch.log_softmax(logits[:, -1], -1)[:, 7].sum()
+
+    got = run_with_grad(model, tokens, loss=loss, wrt=["resid_mid.2", "k.1", "q.3"])
+    leaf = {}
+
+    def splice(m, a, out):
+        leaf["x"] = out.detach().requires_grad_(True)
+        return leaf["x"]
+
+    handle = reference.model.layers[2].post_attention_layernorm.register_forward_hook(splice)
+    try:
+        with torch.enable_grad():
+            (grad,) = torch.autograd.grad(loss(reference(tokens).logits), leaf["x"])
+    finally:
+        handle.remove()
+    _close(got.grads["resid_mid.2"], grad)
+    assert got.grads["k.1"].shape == (1, tokens.shape[1], 1, 64) and got.grads["q.3"].shape[2:] == (4, 64)
+    direction, eps = torch.randn(1, 64, generator=torch.Generator().manual_seed(0)), 1e-2
+    ahead, back = (loss(steer(model, tokens, S.Add("k.1", direction, scale=s * eps))) for s in (1, -1))
+    slope = (ahead - back) / (2 * eps)
+    assert torch.allclose(slope, (got.grads["k.1"] * direction).sum(), rtol=1e-2, atol=1e-4)
