@@ -146,15 +146,33 @@ def layer_kinds(config, n_layers: int) -> Counter[frozenset[str]]:
     experts, first_moe = _experts(config) > 0, getattr(config, "first_k_dense_replace", 0) or 0
     dense_only = set(getattr(config, "mlp_only_layers", None) or ())
     q_lora = "q_lora" if getattr(config, "q_lora_rank", None) else "no_q_lora"
-    kinds: Counter[tuple[bool, bool]] = Counter(
+    kinds: Counter[tuple[bool, bool, frozenset[str]]] = Counter(
         (experts and layer >= first_moe and layer not in dense_only and (layer + 1) % sparse == 0,
-         bool(types) and types[layer] == "linear_attention") for layer in range(n_layers))
+         bool(types) and types[layer] == "linear_attention", _gemma4_kinds(config, types, layer))
+        for layer in range(n_layers))
     return Counter({frozenset({"all", "moe" if moe else "dense", "linear_attention" if linear else "attention",
-                               q_lora}): n for (moe, linear), n in kinds.items()})
+                               q_lora, *more}): n for (moe, linear, more), n in kinds.items()})
+
+
+def _gemma4_kinds(config, types, layer: int) -> frozenset[str]:
+    """Gemma 4's: "global" layers (full attention, their own head width), "kv_own" layers that compute k and v
+    (all but the last num_kv_shared_layers), "global_v" where a global layer has its own v projection (not
+    attention_k_eq_v), and "wide" for a KV-shared layer's double-wide MLP (else "narrow")."""
+    if config.model_type != "gemma4_text":
+        return frozenset()
+    shared = layer >= config.num_hidden_layers - (config.num_kv_shared_layers or 0)
+    full = types[layer] == "full_attention"
+    return frozenset({"global" if full else "local", *(("kv_own",) if not shared else ()),
+                      *(("kv_own_" + ("global" if full else "local"),) if not shared else ()),
+                      *(("global_v",) if full and not shared and not config.attention_k_eq_v else ()),
+                      "wide" if shared and config.use_double_wide_mlp else "narrow"})
 
 
 def widths(config, d: Dims) -> dict[str, int]:
     g = lambda key, default=0: getattr(config, key, None) or default  # noqa: E731
+    # A global layer's own sizes where they differ (Gemma 4), else the model's.
+    full = next((d.at(i) for i, t in enumerate(getattr(config, "layer_types", None) or ()) if t == "full_attention"), d)
+    ple = g("hidden_size_per_layer_input")
     key_dim, value_dim = g("linear_num_key_heads") * g("linear_key_head_dim"), \
         g("linear_num_value_heads") * g("linear_value_head_dim")
     d_expert = g("moe_intermediate_size", d.d_mlp)
@@ -169,7 +187,9 @@ def widths(config, d: Dims) -> dict[str, int]:
             "lin_qkvz": 2 * key_dim + 2 * value_dim, "lin_qkv": 2 * key_dim + value_dim,
             "lin_conv": 2 * key_dim + value_dim, "lin_ba": 2 * g("linear_num_value_heads"), "value_dim": value_dim,
             "lv_heads": g("linear_num_value_heads"), "lv_dim": g("linear_value_head_dim"),
-            "kernel": g("linear_conv_kernel_dim")}
+            "kernel": g("linear_conv_kernel_dim"), "q_global": d.n_heads * full.d_head,
+            "kv_global": full.n_kv_heads * full.d_head, "d_head_global": full.d_head, "ple": ple,
+            "ple_all": d.n_layers * ple, "vocab_ple": g("vocab_size_per_layer_input")}
 
 
 def _flag(config, value: bool | str) -> bool:
@@ -189,6 +209,7 @@ def count_params(config: Any) -> ParamCount:
     norms = sum(width[n.width] * (1 + n.bias) * c for k, c in kinds.items() for n in layout.norms
                 if n.where in k and (n.when is None or _flag(config, n.when)))
     embeddings = d.d_vocab * d.d_model * (2 - bool(getattr(config, "tie_word_embeddings", False)))
+    embeddings += sum(width[a] * width[b] for a, b in layout.outside)
     routed = sum(i * o * n * c for i, o, _, n, is_routed, _, c in linears if is_routed)
     return ParamCount(
         linear=sum(i * o * n * c for i, o, _, n, _, _, c in linears),
@@ -227,9 +248,13 @@ def kv_bytes_per_token(config: Any, kv_cache_dtype: str | None = None, *, dtype:
     config = to_config(config)
     d = read_sizes(config)
     size = check_kv_cache_dtype(kv_cache_dtype) or model_dtype(config, dtype).itemsize
-    layers = sum(n for kinds, n in layer_kinds(config, d.n_layers).items() if "attention" in kinds)
+    kinds = layer_kinds(config, d.n_layers)
+    layers = sum(n for k, n in kinds.items() if "attention" in k)
     if LAYOUTS[config.model_type].cache == "latent":
         return layers * (config.kv_lora_rank + config.qk_rope_head_dim) * size
+    if LAYOUTS[config.model_type].cache == "own":  # Gemma 4: KV-shared layers cache nothing, global layers their width
+        w = widths(config, d)
+        return 2 * size * sum(n * w["kv_global" if "global" in k else "kv"] for k, n in kinds.items() if "kv_own" in k)
     return 2 * layers * d.n_kv_heads * d.d_head * size
 
 

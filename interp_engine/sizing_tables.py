@@ -71,7 +71,10 @@ class Layout:
     final_norm: Norm
     lm_head_bias: bool = False
     learned_positions: bool = False
-    cache: str = "heads"  # per token: "heads" (K and V per KV head) or "latent" (MLA's compressed KV + rope key)
+    # per token: "heads" (K and V per KV head), "latent" (MLA's compressed KV + rope key), or "own" (K and V of the
+    # layers that compute their own, at each layer's width: Gemma 4's KV-shared layers cache nothing)
+    cache: str = "heads"
+    outside: tuple[tuple[str, str], ...] = ()  # more (rows, columns) parameters outside the layers (Gemma 4's PLE)
     d_mlp_keys: tuple[str, ...] = ("intermediate_size",)  # for the families that have no arch table
 
 
@@ -147,6 +150,21 @@ LAYOUTS.update({
                                                 Linear("d_expert", "d_model", True, times="n_experts")),
                       (_RMS, _RMS, Norm("n_heads")), _RMS, d_mlp_keys=("intermediate_size",)),
 })
+# Gemma 4 (text): sliding ("local") and full ("global") layers of their own head width; k and v only where a layer
+# computes its own (not the last num_kv_shared_layers), a global layer's v only without attention_k_eq_v; q/k norms
+# per head (v's norm has no weight); the double-wide MLP of a KV-shared layer; per-layer inputs: a gate and a
+# projection and a norm per layer, and outside the layers their packed embedding, projection from the token
+# embedding and norm.
+_GEMMA4_PLE = (Linear("d_model", "ple"), Linear("ple", "d_model"))
+LAYOUTS["gemma4_text"] = Layout(
+    (Linear("d_model", "q", where="local"), Linear("d_model", "q_global", where="global"),
+     Linear("d_model", "kv", where="kv_own_local"), Linear("d_model", "kv", where="kv_own_local"),
+     Linear("d_model", "kv_global", where="kv_own_global"), Linear("d_model", "kv_global", where="global_v"),
+     Linear("q", "d_model", where="local"), Linear("q_global", "d_model", where="global"))
+    + _gated("d_mlp", where="narrow") + _gated("2d_mlp", where="wide") + _GEMMA4_PLE,
+    (_RMS,) * 4 + (Norm(when="hidden_size_per_layer_input"), Norm("d_head", where="local"), Norm("d_head_global", where="global"),
+                   Norm("d_head", where="kv_own_local"), Norm("d_head_global", where="kv_own_global")),
+    _RMS, cache="own", outside=(("vocab_ple", "ple_all"), ("d_model", "ple_all"), ("one", "ple")))
 # Multimodal checkpoints whose config.json wraps the text model the sizer prices (the vision tower is left out).
 WRAPPERS = ("kimi_k25", "qwen3_5")
 # Model types that are another family's shape under a new name: arch/aliases.ALIASES, which load_model reads too.

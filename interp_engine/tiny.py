@@ -12,6 +12,9 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gpt2", "gpt_neox", 
             "qwen3_moe", "mixtral", "gpt_oss")
 # Model types without a table, served at the residual stream by discovery (interp_engine/arch/discover.py).
 DISCOVERED = ("stablelm", "granite")
+# Tiny configs of families with their own test module (the family-parametrized tests assume one head width and a
+# softmax router): built by name too (the validator takes them by name), not in FAMILIES.
+OWN_MODULE = ("gemma4_text", "deepseek_v3")
 
 # A short corpus is enough: the tokenizer only needs real merges so that text round-trips.
 _CORPUS = """
@@ -95,6 +98,16 @@ _BASE: dict[str, dict[str, Any]] = {
                     layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                     max_position_embeddings=131072,
                     tie_word_embeddings=False),
+    # Gemma 4 E2B's layout scaled down, with 31B's attention_k_eq_v: global layers 64 wide (sliding 32) with one KV
+    # head whose v is its k (sliding: two), per-layer inputs 16 wide, the last two layers KV-shared (layer 2 attends
+    # over layer 0's keys, 3 over 1's) with a double-wide MLP; its 4:1 sliding:global pattern cut to 1:1 so that
+    # both kinds are shared; proportional rotary on a quarter of a global head; final logits softcapped at 30.
+    "gemma4_text": dict(hidden_size=128, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=32, global_head_dim=64, num_global_key_value_heads=1,
+                        attention_k_eq_v=True, hidden_size_per_layer_input=16, vocab_size_per_layer_input=512,
+                        num_kv_shared_layers=2, use_double_wide_mlp=True, sliding_window=8,
+                        layer_types=["sliding_attention", "full_attention"] * 2, final_logit_softcapping=30.0,
+                        max_position_embeddings=512, tie_word_embeddings=True),
     # DeepSeek-V3's layout scaled down (Kimi-K2's is the same with 384 experts, n_group 1): a q latent, a KV latent
     # and three head widths that all differ (non-rotary q/k 32, rotary 16, v 24), interleaved YaRN rotary (factor
     # 40 from 4096 positions, mscale 1: the softmax scale grows); layer 0 dense, then 8 routed experts in 4 groups,

@@ -27,7 +27,9 @@ class Plan:
 
 
 def feature_shape(address: Address, dims: Dims, width: int) -> tuple[int, ...]:
-    """One position's shape at `address` (for attention patterns: one query row, `width` keys)."""
+    """One position's shape at `address` (for attention patterns: one query row, `width` keys), in the sizes of
+    its layer (`Dims.at`: Gemma 4's global layers have their own head width)."""
+    dims = dims.at(address.layer)
     return tuple(width if a == "k_pos" else getattr(dims, a) for a in address.info.axes
                  if a not in ("batch", "pos", "q_pos"))
 
@@ -84,7 +86,7 @@ def _resolve(address: Address, model, problems: list) -> Address | None:
 
 
 def _check_value(op, name: str, shape: tuple[int, ...], address: Address, feat: tuple[int, ...],
-                 n_prompts: int, problems: list) -> None:
+                 n_prompts: int, problems: list, own: tuple = ()) -> None:
     if 0 in shape:
         problems.append(SpecError(fix(f"{type(op).__name__} at {address}: {name} has shape {shape}, with an empty "
                                       "axis, so it holds no value to write.",
@@ -113,7 +115,8 @@ def _check_value(op, name: str, shape: tuple[int, ...], address: Address, feat: 
         remedy = f"pass the whole point ({whole}, {feat[0]}, q_pos, k_pos) as a capture returns it, e.g. an edited " \
                  f'copy of capture(model, tokens, ["{address}"])["{address}"].'
     problems.append(SpecError(fix(
-        f"{type(op).__name__} at {address}: {name} has shape {shape}, but {address.point} holds {feat} per position.",
+        f"{type(op).__name__} at {address}: {name} has shape {shape}, but {address.point} holds {feat} per position"
+        + (f" (layer {address.layer}'s own widths: {', '.join(f'{n} {v}' for n, v in own)})." if own else "."),
         remedy)))
 
 
@@ -250,7 +253,8 @@ def plan(model, spec: Spec, reads: Iterable[Address], *, n_prompts: int, longest
             _check_sae(op.sae, address, model, problems)
         if isinstance(op, Add | Set | Patch):
             name = {Add: "vector", Set: "value", Patch: "source"}[type(op)]
-            _check_value(op, name, getattr(op, name).shape, address, feat, n_prompts, problems)
+            own = model.dims.layer_sizes[address.layer] if model.dims.layer_sizes and address.layer is not None else ()
+            _check_value(op, name, getattr(op, name).shape, address, feat, n_prompts, problems, own)
         heads = getattr(op, "heads", None)
         if heads is not None:
             axis = address.info.head_axis
@@ -259,7 +263,7 @@ def plan(model, spec: Spec, reads: Iterable[Address], *, n_prompts: int, longest
                                     "head axis.", "drop heads=, or target q, k, v, z, attn_scores, attn_probs "
                                     "or a linear-attention point (lin_q ... lin_out).")))
             else:
-                count = getattr(model.dims, address.info.axes[axis])
+                count = getattr(model.dims.at(address.layer), address.info.axes[axis])
                 bad = [h for h in heads if not 0 <= h < count]
                 if bad:
                     problems.append(PointError(fix(f"heads {bad} at {address} do not exist: {address.point} has {count} heads.",

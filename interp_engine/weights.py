@@ -22,14 +22,10 @@ from interp_engine.errors import BackendError, PointError, fix
 
 def check_served(arch: Arch) -> None:
     """TransformerLens's per-layer weights have no single meaning for an MoE model, and a discovered model has
-    no table of where its projections are; nor are a hybrid linear-attention model's per-head W_Q..W_O: refused on
-    every backend, before any weight is read."""
-    if arch.moe is not None or arch.discovered or arch.linear_attention is not None:
+    no table of where its projections are: refused on every backend, before any weight is read."""
+    if arch.moe is not None or arch.discovered or arch.weights_refusal:
         what = ("a mixture-of-experts model, whose MLP is per expert" if arch.moe is not None else
-                "a hybrid linear-attention model: its Gated DeltaNet layers have no W_Q, W_K, W_V, W_O, and its "
-                "full attention's q_proj holds each head's output gate beside its query"
-                if arch.linear_attention is not None else
-                "a model without a family table (its layers were found from its structure)")
+                arch.weights_refusal or "a model without a family table (its layers were found from its structure)")
         raise BackendError(fix(f"TransformerLens-shaped weights are not served for {arch.family}: it is {what}.",
                                "read the HF parameters themselves: model.runtime.model.named_parameters() on "
                                'backend="eager".'))

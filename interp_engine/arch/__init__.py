@@ -6,9 +6,11 @@ the causal-LM model (`layers`, `final_norm`, `unembed`) or to one decoder layer 
 
 import functools
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 
+from interp_engine.arch.layers import LINEAR_POINTS, config_value
+from interp_engine.arch.routing import Moe
 from interp_engine.errors import LoadError, fix
 
 
@@ -30,93 +32,6 @@ class VllmLayout:
     # "first", the stream itself, alone or first of a tuple whose rest the next layer never reads.
     stream_out: str = "sum"
     router: str | None = None  # the MoE gate, whose output's first element is router_logits
-
-
-@dataclass(frozen=True, slots=True)
-class Moe:
-    """A sparse (mixture-of-experts) MLP in every layer: where its router sits and how it chooses.
-
-    The router's first output is the router logits; the experts take the softmax's top k, renormalised to sum
-    to 1 where `renormalize` says (a config key, or True for always). `top_k_first`: the router takes the top k
-    of the logits and softmaxes those (GPT-OSS): the same weights as the renormalised softmax's top k, not the
-    same rounding, and a zero edit must change nothing."""
-
-    router: str  # relative to a layer: the gate module
-    n_experts_key: str
-    renormalize: str | bool
-    top_k_key: str = "num_experts_per_tok"
-    top_k_first: bool = False
-    experts: str = "mlp.experts"  # relative to a layer: the experts module, forward(rows, top-k ids, top-k weights)
-    # DeepSeek-V3: sigmoid scores, chosen within the best groups after the gate's correction bias (`Grouped`).
-    grouped: bool = False
-    # Layers below this config key's value are dense MLPs (DeepSeek's first_k_dense_replace); None: none is.
-    dense_first_key: str | None = None
-
-    def routing(self, config, gate=None) -> tuple:
-        """(top k, renormalised, top k first[, Grouped]) as this config (and, grouped, the gate module's correction
-        bias) sets them: `route`'s arguments after the logits."""
-        renormalize = self.renormalize if isinstance(self.renormalize, bool) else getattr(config, self.renormalize)
-        plain = (getattr(config, self.top_k_key), bool(renormalize), self.top_k_first)
-        if not self.grouped:
-            return plain
-        return (*plain, Grouped(config.n_group, config.topk_group, config.routed_scaling_factor,
-                                gate.e_score_correction_bias))
-
-
-@dataclass(frozen=True, slots=True)
-class Grouped:
-    """DeepSeek-V3's router (noaux_tc): each expert's score is the sigmoid of its logit; the choice adds the
-    correction bias, keeps the `topk_group` groups whose two best biased scores sum highest, and takes the top k
-    there; the weights are the unbiased scores, renormalised (+1e-20) where the config says, times `scale`."""
-
-    n_group: int
-    topk_group: int
-    scale: float
-    bias: object  # the gate's e_score_correction_bias, [n_experts] float32
-
-
-def route(logits, top_k: int, renormalize: bool, top_k_first: bool = False, grouped: Grouped | None = None):
-    """(weights, indices) of the chosen experts from router logits, as HF's routers and vLLM's top-k compute them:
-    softmax in float32, top k, renormalised to sum to 1 where the family does (or the softmax of the top k
-    logits, `top_k_first`; or DeepSeek's grouped sigmoid routing, op for op as HF's). One semantics for every
-    backend."""
-    import torch
-
-    if grouped is not None:
-        return _route_grouped(logits, top_k, renormalize, grouped)
-    if top_k_first:
-        values, indices = torch.topk(logits, top_k, dim=-1)
-        return torch.softmax(values, dim=-1, dtype=values.dtype), indices
-    weights, indices = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(logits.dtype), indices
-
-
-def _route_grouped(logits, top_k: int, renormalize: bool, g: Grouped):
-    import torch
-
-    scores = logits.float().sigmoid()
-    choice = scores + g.bias
-    n = scores.shape[-1]
-    group_scores = choice.view(-1, g.n_group, n // g.n_group).topk(2, dim=-1)[0].sum(dim=-1)
-    group_idx = torch.topk(group_scores, k=g.topk_group, dim=-1, sorted=False)[1]
-    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-    score_mask = group_mask.unsqueeze(-1).expand(-1, g.n_group, n // g.n_group).reshape(-1, n)
-    choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
-    indices = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
-    weights = scores.gather(1, indices)
-    if renormalize:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * g.scale, indices
-
-
-def dense_weights(weights, indices, n_experts: int):
-    """expert_weights: every expert's weight in the token's mlp_out, zero where it was not chosen."""
-    import torch
-
-    return torch.zeros((*weights.shape[:-1], n_experts), dtype=weights.dtype,
-                       device=weights.device).scatter(-1, indices, weights)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +72,17 @@ class Arch:
     # Gated DeltaNet, whose output is attn_out there); the other layers' attention is `attention`.
     linear_attention: str | None = None
     output_gate: bool = False  # full attention multiplies z by a per-head sigmoid gate before o_proj
+    # Gemma 4 (arch/gemma4.py): the config keys of how many last layers reuse earlier keys and values (kind
+    # "kv_shared") and of their double-wide MLP; the attention kwarg holding the reused pair (edits are stored there);
+    # mlp_tail: the block does more after the MLP's residual add (a resid_mid write goes through attn_out).
+    kv_shared_key: str | None = None
+    kv_shares: str | None = None
+    double_wide_key: str | None = None
+    mlp_tail: bool = False
+    weights_refusal: str | None = None  # why TransformerLens-shaped weights are not served
+    o_proj: str | None = None  # there: attention's output projection (a layer's own W_O, for attn_result)
+    # Config flags this table does not cover: (key, why, fix), refused at load where the flag is set.
+    unserved: tuple[tuple[str, str, str], ...] = ()
 
     @property
     def discovered(self) -> bool:
@@ -212,7 +138,6 @@ class Arch:
 
 
 MOE_POINTS = ("router_logits", "expert_weights", "expert_out")
-LINEAR_POINTS = ("lin_q", "lin_k", "lin_v", "lin_beta", "lin_g", "lin_z", "lin_out")
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,12 +161,26 @@ class Dims:
     n_lin_v_heads: int = 0
     d_lin_k: int = 0
     d_lin_v: int = 0
+    # Per layer, the sizes in which it differs from the above, as (name, size) pairs (Gemma 4: a global layer's
+    # d_head and n_kv_heads, a KV-shared layer's double-wide d_mlp); (): every layer has the model's sizes.
+    layer_sizes: tuple[tuple[tuple[str, int], ...], ...] = ()
 
     def __post_init__(self):
         if not self.d_head_v:
             object.__setattr__(self, "d_head_v", self.d_head)
-        # From JSON (the validator's saved dims) the kinds come back as lists.
+        # From JSON (the validator's saved dims) the kinds and sizes come back as lists.
         object.__setattr__(self, "layer_kinds", tuple(tuple(k) for k in self.layer_kinds))
+        object.__setattr__(self, "layer_sizes", tuple(tuple((n, s) for n, s in ls) for ls in self.layer_sizes))
+
+    def at(self, layer: int | None) -> "Dims":
+        """The sizes of layer `layer` (resolved): this model's, with that layer's own where it differs."""
+        own = self.layer_sizes[layer] if self.layer_sizes and layer is not None else ()
+        if not own:
+            return self
+        sizes = dict(own)
+        if "d_head" in sizes and "d_head_v" not in sizes and self.d_head_v == self.d_head:
+            sizes["d_head_v"] = sizes["d_head"]
+        return replace(self, layer_sizes=(), **sizes)
 
 
 # The sizes read_dims takes from config.json, each a whole number of at least 1 when present (the first four
@@ -259,7 +198,7 @@ def check_sizes(config, arch: Arch | None = None) -> None:
     before transformers reads it (whose own checks divide by num_attention_heads): numbers present must be >= 1."""
     raw = isinstance(config, Mapping)
     for key in _RAW_SIZES if raw else (*_SIZES, *arch.d_mlp_keys):
-        value = config.get(key) if raw else getattr(config, key, None)
+        value = config.get(key) if raw else config_value(config, key)
         if value is None and (raw or key not in _SIZES[:4]):
             continue
         if raw and (isinstance(value, bool) or not isinstance(value, int | float)):
@@ -277,18 +216,21 @@ def read_dims(config, arch: Arch) -> Dims:
     d_mlp = next((getattr(config, k) for k in arch.d_mlp_keys if getattr(config, k, None)), 4 * d_model)
     if arch.moe is not None and arch.moe.dense_first_key is None:
         _check_every_layer_sparse(config, arch)
-    from interp_engine.arch.layers import layer_kinds
+    from interp_engine.arch.layers import check_served_config, layer_kinds, layer_sizes
 
-    width = lambda keys: next((getattr(config, k) for k in keys if getattr(config, k, None)), 0)  # noqa: E731
+    check_served_config(config, arch)
+    width = lambda keys: next((config_value(config, k) for k in keys if config_value(config, k)), 0)  # noqa: E731
+    heads = dict(n_kv_heads=config_value(config, "num_key_value_heads") or n_heads,
+                 d_head=width(arch.d_head_keys) or d_model // n_heads)
     return Dims(
         n_layers=config.num_hidden_layers,
         d_model=d_model,
         n_heads=n_heads,
-        n_kv_heads=getattr(config, "num_key_value_heads", None) or n_heads,
-        d_head=width(arch.d_head_keys) or d_model // n_heads,
+        **heads,
         d_head_v=width(arch.d_head_v_keys),
         d_latent=getattr(config, arch.d_latent_key) if arch.d_latent_key else 0,
         layer_kinds=layer_kinds(config, arch),
+        layer_sizes=layer_sizes(config, arch, {**heads, "d_mlp": d_mlp}),
         d_mlp=d_mlp,
         d_vocab=config.vocab_size,
         max_len=getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 2**31,
@@ -355,12 +297,12 @@ def linear_families() -> tuple[str, ...]:
 
 @functools.cache  # the vLLM worker asks it at every hook install (the family's routing): built once
 def _registry() -> Mapping[str, Arch]:
-    from interp_engine.arch import (deepseek_v3, gemma2, gemma3, gpt2, gpt_neox, gpt_oss, llama, mixtral, olmo2, phi,
-                                    phi3, qwen3_moe, qwen3_next)
+    from interp_engine.arch import (deepseek_v3, gemma2, gemma3, gemma4, gpt2, gpt_neox, gpt_oss, llama, mixtral, olmo2,
+                                    phi, phi3, qwen3_moe, qwen3_next)
 
     table: dict[str, Arch] = {}
-    for module in (llama, gemma2, gemma3, gpt2, gpt_neox, phi, phi3, olmo2, qwen3_moe, mixtral, gpt_oss, deepseek_v3,
-                   qwen3_next):
+    for module in (llama, gemma2, gemma3, gemma4, gpt2, gpt_neox, phi, phi3, olmo2, qwen3_moe, mixtral, gpt_oss,
+                   deepseek_v3, qwen3_next):
         for arch in module.ARCHES:
             for model_type in arch.model_types:
                 table[model_type] = arch

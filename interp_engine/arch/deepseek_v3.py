@@ -17,7 +17,7 @@ latent, not k and v. The points:
 MLP. Layers below `first_k_dense_replace` are a dense gated MLP (mlp_pre, mlp_pre_linear, mlp_act; no MoE
 points); the rest are a mixture of experts (router_logits, expert_weights, expert_out; no mlp_act): per-layer
 kinds (arch/layers.py). The router scores experts by the sigmoid of its logits and chooses within the best
-`topk_group` of `n_group` groups after adding `e_score_correction_bias` (`arch.Grouped`); the weights are the
+`topk_group` of `n_group` groups after adding `e_score_correction_bias` (`arch.routing.Grouped`); the weights are the
 scores, renormalised, times `routed_scaling_factor`. `router_logits` is the gate's output (float32, before the
 sigmoid); `expert_weights` each expert's weight as it multiplies that expert's output (the scaling included);
 `expert_out` each chosen routed expert's output. Shared experts are in neither: `mlp_out` is what the block adds

@@ -51,6 +51,8 @@ VLLM_LINEAR = "linear_attn"
 _HYBRID = dataclasses.replace(
     llama.ARCHES[0], family="qwen3_5", model_types=("qwen3_5_text",), vllm=None,
     linear_attention="linear_attn", output_gate=True, normalization="gemma_rmsnorm",
+    weights_refusal="a hybrid linear-attention model: its Gated DeltaNet layers have no W_Q, W_K, W_V, W_O, and "
+                    "its full attention's q_proj holds each head's output gate beside its query",
     vllm_refusal="interp_engine has no vLLM site table for its Gated DeltaNet layers yet")
 _MOE = dict(mlp_down=None, mlp_pre=None, mlp_up=None, d_mlp_keys=("moe_intermediate_size",))
 

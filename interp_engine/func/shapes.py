@@ -104,11 +104,19 @@ def _check_cache(cache, model, what: str) -> None:
             hint = activation(address.info.axes)
             # Every layer of a point comes back alike: a shape already checked against the same hint in this memo
             # binds nothing new, so only the first of each is checked by jaxtyping (~10 us each, not per tensor).
-            seen = (hint, type(t), t.dtype, t.shape)
+            seen = (hint, type(t), t.dtype, t.shape, address.layer if model.dims.layer_sizes else None)
             if seen in verified:
                 continue
             verified.add(seen)
-            if not isinstance(t, hint):
+            own = model.dims.at(address.layer)
+            if own is not model.dims:  # a layer with sizes of its own (Gemma 4's global heads): its own memo
+                with jaxtyped("context"):
+                    bind_model(own)
+                    isinstance(meta((len(cache.lengths),)), _BATCH)
+                    fits = isinstance(t, hint)
+            else:
+                fits = isinstance(t, hint)
+            if not fits:
                 reason = hint.__instancecheck_str__(t) or "its sizes disagree with the cache's other tensors"
                 _refuse(f"{what}[{str(address)!r}]", _shown(t), hint.__name__, reason, model)
             if address.info.pos_axis == 2 and t.shape[-1] != t.shape[-2]:

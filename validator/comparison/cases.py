@@ -13,6 +13,7 @@ from interp_engine import Address
 from interp_engine import spec as S
 from interp_engine.addresses import POINTS
 from interp_engine.arch import Dims
+from interp_engine.arch.layers import lacking
 from interp_engine.validate import feature_shape
 
 # Ragged on purpose: rows of different lengths exercise per-request row mapping and padding on every backend.
@@ -75,7 +76,7 @@ def steer_cases(dims: Dims, served: Collection[str] | None = None) -> list[Steer
     layer = steer_layer(dims)
     cases = []
     for name, info in POINTS.items():
-        if not has_point(name, dims, served) or info.read_only:
+        if not has_point(name, dims, served) or info.read_only or lacking(name, layer, dims.layer_kinds):
             continue
         address = Address(name, layer) if info.layered else Address(name)
         if info.eager_only_write:

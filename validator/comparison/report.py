@@ -37,7 +37,9 @@ def merge(old: dict, rows: list[Row], meta: dict) -> tuple[list[Row], dict]:
     timing = {m: t for m, t in old.get("worker_seconds", {}).items() if m not in rerun}
     earlier = old.get("runs") or [{"when": old["when"], "models": old["models"], "num_gpus": old["num_gpus"],
                                    "seconds": round(old["seconds"])}]
+    machines = [m for m in (*old.get("machine", "").split("; "), meta.get("machine", "")) if m]
     return kept + rows, {**meta, "models": [m for m in old["models"] if m not in rerun] + meta["models"],
+                         "machine": "; ".join(dict.fromkeys(machines)),  # each run's, not only the last's
                          "worker_seconds": {**timing, **meta["worker_seconds"]},
                          "seconds": meta["seconds"] + sum(r["seconds"] for r in earlier),
                          "runs": earlier + meta.get("runs", [])}

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import torch
 
 from interp_engine.arch import supported_model_types, table_for, vllm_model_types
-from interp_engine.tiny import DISCOVERED, FAMILIES, build_tiny_model
+from interp_engine.tiny import DISCOVERED, FAMILIES, OWN_MODULE, build_tiny_model
 from validator.comparison import report
 from validator.comparison.cases import Plant
 from validator.comparison.compare import FAILING, compare_backend, eager_only_keys, run_row
@@ -49,7 +49,7 @@ def default_num_gpus() -> int:
 
 def resolve_model(name: str, cache: Path) -> tuple[str, str]:
     """(what load_model takes, its model_type)."""
-    if name in FAMILIES + DISCOVERED:
+    if name in FAMILIES + DISCOVERED + OWN_MODULE:
         folder = cache / name
         if not (folder / "interp_engine_tiny.json").exists():
             build_tiny_model(name, folder)

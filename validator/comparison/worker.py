@@ -14,6 +14,7 @@ import torch
 
 from interp_engine import InterpEngineError, capture, generate, load_model, logit_lens, steer
 from interp_engine.addresses import POINTS, Address
+from interp_engine.arch.layers import lacking
 from validator.comparison import cases as C
 
 # What load_model says for a backend this build of interp_engine lacks, and where vLLM itself is missing.
@@ -21,9 +22,10 @@ NOT_BUILT, NOT_INSTALLED = "not in this build", "which is not installed"
 
 
 def every_address(dims, served=None) -> list[Address]:
+    """Every point the model has at every layer that has it (per-layer point sets: arch/layers.py)."""
     return [Address(name, i) if info.layered else Address(name)
             for name, info in POINTS.items() if C.has_point(name, dims, served)
-            for i in (range(dims.n_layers) if info.layered else [None])]
+            for i in (range(dims.n_layers) if info.layered else [None]) if lacking(name, i, dims.layer_kinds) is None]
 
 
 def load(path: str, backend: str, num_gpus: int, static_points: str):

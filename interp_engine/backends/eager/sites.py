@@ -13,7 +13,8 @@ import torch
 from torch import Tensor
 
 from interp_engine.addresses import Address
-from interp_engine.arch import LINEAR_POINTS, Arch, Dims, dense_weights, route
+from interp_engine.arch import LINEAR_POINTS, Arch, Dims
+from interp_engine.arch.routing import dense_weights, route
 from interp_engine.backends.eager.attention import SITE_KW, eager_pattern
 from interp_engine.backends.eager.linear_attention import LinearSite
 from interp_engine.edits import Step, apply, failure
@@ -75,6 +76,8 @@ class AttentionSite:
 
     def __init__(self, run: Run, layer: int, w_o: Callable[[], Tensor] | None = None):
         self.run, self.layer, self.w_o = run, layer, w_o
+        # Gemma 4: the dict later KV-shared layers read this layer's keys and values from (None: none do).
+        self.shares: dict | None = None
         self.q, self.k, self.v, self.z, self.scores, self.probs, self.result = (
             _at(p, layer) for p in ("q", "k", "v", "z", "attn_scores", "attn_probs", "attn_result"))
 
@@ -95,8 +98,13 @@ class AttentionSite:
         run = self.run
         if run.wants(self.q):
             query = _swap(run.touch(self.q, _swap(query)))
+        stored = key, value
         key = self._kv(self.k, key, query.shape[2])
         value = self._kv(self.v, value, query.shape[2])
+        if self.shares is not None and (key is not stored[0] or value is not stored[1]):
+            # HF stored the unedited pair before calling us; the sharing layers attend over the edited one (as
+            # they do on vLLM, whose shared KV cache is written after our edit).
+            self.shares[module.layer_type] = key, value
         scores, probs = self.scores, self.probs
         if run.wants(scores) or run.wants(probs):
             out, weights = eager_pattern(
@@ -108,7 +116,7 @@ class AttentionSite:
             out, weights = base(module, query, key, value, attention_mask, **kwargs)
         z = run.touch(self.z, out)
         if run.wants(self.result):  # each head's z through its own rows of W_O [n_heads, d_head, d_model]
-            w_o = self.w_o()
+            w_o = self.w_o().reshape(*z.shape[2:], -1)
             run.touch(self.result, torch.einsum("bphd,hdm->bphm", z.to(w_o.dtype), w_o))
         return z, weights
 
@@ -139,6 +147,9 @@ class Block:
     kv_latent: torch.nn.Module | None = None  # its output is kv_latent (multi-head latent attention)
     linear: torch.nn.Module | None = None  # a linear-attention layer's Gated DeltaNet (arch.linear_attention)
     lin_rep: int = 1  # value heads per key head there
+    mlp_tail: bool = False  # Arch.mlp_tail: resid_mid is written through attn_out
+    kv_shares: str | None = None  # Arch.kv_shares: the attention kwarg holding the keys later layers reuse
+    o_proj: torch.nn.Module | None = None  # Arch.o_proj: W_O read from the layer itself (no TL-shaped weights)
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,7 +194,8 @@ class Layout:
             return Block(layer, None if linear else at(layer, arch.attention), linear or at(layer, arch.attn_out),
                          mlp(arch.mlp_down), at(layer, arch.mlp_out), at(layer, arch.mid_norm), router,
                          mlp(arch.mlp_pre), mlp(arch.mlp_up), arch.mlp_pre_half, at(layer, arch.kv_latent), linear,
-                         dims.n_lin_v_heads // (dims.n_lin_k_heads or 1))
+                         dims.n_lin_v_heads // (dims.n_lin_k_heads or 1), arch.mlp_tail, arch.kv_shares,
+                         at(layer, arch.o_proj))
 
         return cls(tuple(block(i) for i in range(dims.n_layers)), model.get_submodule(arch.final_norm), weights)
 
@@ -211,8 +223,9 @@ def _layer_hooks(block: Block, i: int, run: Run, weights: "Callable[[], Weights]
         _at(p, i) for p in ("resid_pre", "attn_out", "resid_mid", "mlp_act", "mlp_out", "resid_post"))
     handles = []
     needs_mid = run.wants(resid_mid)
-    # Parallel blocks have no resid_mid in the forward: it is realised through attn_out (resid_pre + attn_out).
-    mid_via_attn = needs_mid and block.mid_norm is None
+    # Parallel blocks have no resid_mid in the forward: it is realised through attn_out (resid_pre + attn_out); so
+    # is it where the block does more after the MLP's residual add than a hook could redo (Arch.mlp_tail).
+    mid_via_attn = needs_mid and (block.mid_norm is None or block.mlp_tail)
 
     if run.wants(resid_pre) or mid_via_attn or (i == 0 and run.wants(EMBED)):
         def layer_in(module, args, kwargs):
@@ -231,9 +244,15 @@ def _layer_hooks(block: Block, i: int, run: Run, weights: "Callable[[], Weights]
         handles.append(block.kv_latent.register_forward_hook(lambda m, a, out: run.touch(latent, out)))
 
     if any(run.wants(_at(p, i)) for p in ("q", "k", "v", "z", "attn_scores", "attn_probs", "attn_result")):
-        site = AttentionSite(run, i, weights and (lambda: weights().layers[i].W_O))
-        handles.append(block.attention.register_forward_pre_hook(
-            lambda m, args, kwargs: (args, {**kwargs, SITE_KW: site}), with_kwargs=True))
+        o = block.o_proj  # its weight [d_model, n_heads * d_head] transposed: W_O with the heads not yet split
+        site = AttentionSite(run, i, (lambda: o.weight.detach().T) if o is not None
+                             else weights and (lambda: weights().layers[i].W_O))
+
+        def attention_in(module, args, kwargs):
+            if block.kv_shares is not None and getattr(module, "store_full_length_kv", False):
+                site.shares = kwargs.get(block.kv_shares)
+            return args, {**kwargs, SITE_KW: site}
+        handles.append(block.attention.register_forward_pre_hook(attention_in, with_kwargs=True))
 
     if any(run.wants(_at(p, i)) for p in LINEAR_POINTS):
         site = LinearSite(run, lambda p: _at(p, i), block.lin_rep)
@@ -247,8 +266,8 @@ def _layer_hooks(block: Block, i: int, run: Run, weights: "Callable[[], Weights]
             if mid_via_attn:
                 r = run.stash[i] + a
                 edited = run.touch(resid_mid, r)
-                if edited is not r:  # realised through attn_out: the block adds exactly this to the residual
-                    a = a + (edited - r)
+                if edited is not r:  # realised through attn_out: the block adds resid_pre to what we return
+                    a = _through(run.stash[i], a, r, edited)
             return _with_first(out, a)
         handles.append(block.attn_out.register_forward_hook(attn_out))
 
@@ -273,6 +292,15 @@ def _layer_hooks(block: Block, i: int, run: Run, weights: "Callable[[], Weights]
         handles.append(layer.register_forward_hook(
             lambda m, a, out: _with_first(out, run.touch(resid_post, _first(out)))))
     return handles
+
+
+def _through(pre: Tensor, a: Tensor, r: Tensor, edited: Tensor) -> Tensor:
+    """What attention must add to `pre` for the block's resid_mid to be `edited` (r = pre + a, unedited). Shifting a
+    by (edited - r) keeps a small edit exact (a zero one bit for bit); edited - pre a large one (a zeroed stream
+    exactly 0, which the MLP's norm would otherwise scale up from rounding): each element takes the one whose sum
+    with pre is exact."""
+    shifted = a + (edited - r)
+    return torch.where(pre + shifted == edited, shifted, edited - pre)
 
 
 def _mlp_pre_hooks(block: Block, i: int, run: Run) -> list:

