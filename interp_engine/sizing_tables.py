@@ -144,6 +144,12 @@ LAYOUTS.update({
     "qwen3_5_text": Layout(_GATED_ATTENTION + tuple(Linear("d_model", w, where="linear_attention") for w in
                                                     ("lin_qkv", "value_dim", "lv_heads", "lv_heads"))
                            + _DELTA_CONV_OUT + _gated("d_mlp"), (_RMS, _RMS) + _DELTA_NORMS, _RMS),
+    # Qwen3.5's layers with Qwen3-Next's experts: routed, a gated shared expert and its one-logit gate.
+    "qwen3_5_moe_text": Layout(_GATED_ATTENTION + tuple(Linear("d_model", w, where="linear_attention") for w in
+                                                        ("lin_qkv", "value_dim", "lv_heads", "lv_heads"))
+                               + _DELTA_CONV_OUT + _SPARSE + _gated("d_shared", where="moe")
+                               + (Linear("d_model", "one", where="moe", replicated=True),),
+                               (_RMS, _RMS) + _DELTA_NORMS, _RMS),
     # Attention sinks (one logit per head) sit with the norms: a vector per layer.
     "gpt_oss": Layout(_attention(True, True) + (Linear("d_model", "n_experts", True, replicated=True),
                                                 Linear("d_model", "2d_expert", True, times="n_experts"),
