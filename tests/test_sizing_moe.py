@@ -155,3 +155,12 @@ def test_refusal_tables_agree_with_the_measurement():
     assert {t for t, r in families.items() if not r["vllm_runs"]} == set(CPU_REFUSALS)
     assert all(families[t]["vllm_runs"] and families[t]["dtype"] == str(d).removeprefix("torch.")
                for t, (d, _) in CPU_DTYPES.items())
+
+
+def test_qwen3_5_moe_parameter_count_equals_hf():
+    from interp_engine.tiny import _BASE
+
+    config = AutoConfig.for_model("qwen3_5_moe_text", **_BASE["qwen3_5_moe_text"], vocab_size=512)
+    with torch.device("meta"):
+        real = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    assert count_params(config).total == real
