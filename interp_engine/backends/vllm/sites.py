@@ -17,6 +17,7 @@ add-norm; a site that edits the stream hands it on as (x, 0), which stays exactl
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -121,8 +122,13 @@ class Site:
 
     def addresses(self, layer: int | None) -> tuple[tuple[Address, ...], ...]:
         """Per unpacked tensor, the addresses read and edited on it, in order."""
-        return tuple(tuple(_address(p, layer) for p in chain.split(">") if _address(p, layer) is not None)
-                     for chain in self.points)
+        return _addresses(self, layer)
+
+
+@functools.cache  # hooks are installed per call, ~10 sites per layer: a few hundred checked Addresses a call
+def _addresses(site: Site, layer: int | None) -> tuple[tuple[Address, ...], ...]:
+    return tuple(tuple(_address(p, layer) for p in chain.split(">") if _address(p, layer) is not None)
+                 for chain in site.points)
 
 
 def _address(point: str, layer: int | None) -> Address | None:
