@@ -258,9 +258,10 @@ class StepState:
             ended = prompts_cpu[pos_cpu == lengths_cpu - 1].tolist()
             self.active.append(Active(self.calls[call_id], rows, step, whole, prompts_cpu, pos_cpu, tuple(ended)))
 
-    def touch(self, address: Address, x: Tensor) -> Tensor:
+    def touch(self, address: Address, x: Tensor, fresh: bool = False) -> Tensor:
         """x is [rows, ...]: apply each call's ops on its rows and record its reads. Out of place; returns x
-        itself when nothing changed."""
+        itself when nothing changed. `fresh`: x is the hook's own (a sum, logits), never modified in place."""
+        given = x
         for active in self.active:
             call = active.call
             if not call.wants(address):
@@ -269,7 +270,7 @@ class StepState:
             mine = x[None] if whole else x.index_select(0, active.rows)[None]
             edited = self.edit(active, address, mine)
             # One copy per read: index_select already made one, unless these rows are the whole step.
-            self.keep(active, address, edited[0], copied=not (edited is mine and whole))
+            self.keep(active, address, edited[0], copied=not (edited is mine and whole) or (fresh and x is given))
             if edited is not mine:
                 x = edited[0].to(x.dtype) if whole else x.index_copy(0, active.rows, edited[0].to(x.dtype))
         return x
@@ -374,11 +375,11 @@ def _hook(site: Site, root, layer: int | None, layout, state: StepState, needed:
             gathered = shards.present(point, x)
             edited = gathered
             for address in chain:
-                edited = state.touch(address, edited)
+                edited = state.touch(address, edited, fresh=site.codec.fresh and edited is gathered)
             if logits:  # all ranks compute (the vocab-parallel gather is a collective); rank 0's copy is kept
-                state.touch(LOGITS, model.compute_logits(edited))
+                state.touch(LOGITS, model.compute_logits(edited), fresh=True)
             if routing:  # the weights vLLM's top-k takes from these (edited) logits, recomputed
-                state.touch(weights, expert_weights(edited, state.routing))
+                state.touch(weights, expert_weights(edited, state.routing), fresh=True)
             if results:  # each head's share of what o_proj makes of this (edited) z
                 record(state, result, lambda: head_results(shards, edited, module))
             full[point] = edited
