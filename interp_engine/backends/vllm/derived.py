@@ -51,4 +51,4 @@ def record(state, address, compute) -> None:
                 active.call.fail(str(e) if isinstance(e, Unserved) else wire.recording_failed(address, e),
                                  in_spec=False)
         return
-    state.touch(address, value)
+    state.touch(address, value, fresh=True)

@@ -25,15 +25,15 @@ def record_patterns(state, layer: int, q: Tensor, k: Tensor, attention) -> None:
         sinks = compat.all_gather(sinks, 0)
     for active in state.active:
         call = active.call
-        if call.error or (scores_at not in call.reads and probs_at not in call.reads):
+        if call.error or not state.recording or (scores_at not in call.reads and probs_at not in call.reads):
             continue
         try:  # contained to this call (no collective in here): see WorkerCall.fail
-            _record(call, active, layer, q, k, scale, cap, window, sinks)
+            _record(state, call, active, layer, q, k, scale, cap, window, sinks)
         except Exception as e:
             call.fail(recording_failed(scores_at if scores_at in call.reads else probs_at, e), in_spec=False)
 
 
-def _record(call, active, layer: int, q: Tensor, k: Tensor, scale: float, cap, window, sinks=None) -> None:
+def _record(state, call, active, layer: int, q: Tensor, k: Tensor, scale: float, cap, window, sinks=None) -> None:
     """One call's pattern rows at `layer`. `sinks` (GPT-OSS) join each row's softmax as a column dropped after it,
     as on eager (arch/gpt_oss.py)."""
     scores_at, probs_at = Address("attn_scores", layer), Address("attn_probs", layer)
@@ -68,5 +68,4 @@ def _record(call, active, layer: int, q: Tensor, k: Tensor, scale: float, cap, w
             if address is scores_at:  # keys of later chunks, not seen yet, are future keys: masked
                 row[:, :, :length] = float("-inf")
             row[:, :, key_pos] = values.to(q.dtype)
-            call.records.setdefault(address, []).append(
-                (torch.full((len(q_pos),), prompt).cpu(), q_pos.cpu(), row.cpu()))
+            state.record(call, address, torch.full((len(q_pos),), prompt), q_pos.cpu(), row)

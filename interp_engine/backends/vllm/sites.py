@@ -17,6 +17,7 @@ add-norm; a site that edits the stream hands it on as (x, 0), which stays exactl
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -40,6 +41,7 @@ class Codec:
     unpack: Callable[..., Tensors]
     repack: Callable[..., object]
     kwargs: bool = False  # a pre-hook registered with_kwargs
+    fresh: bool = False  # unpacks a new tensor (a sum), which the model never sees unless edited: read uncopied
 
 
 _NAMES = ("positions", "hidden_states", "residual")
@@ -86,10 +88,10 @@ def _stream_in_repack(args, kwargs, out, new):
 STREAM_IN = Codec("stream_in", _stream_in, _stream_in_repack, kwargs=True)
 # A fused add-norm's input, norm(x, residual): it adds them first thing.
 FUSED_IN = Codec("fused_in", lambda args, kwargs, out: (args[0] + args[1],),
-                 lambda args, kwargs, out, new: (new[0], torch.zeros_like(args[1]), *args[2:]))
+                 lambda args, kwargs, out, new: (new[0], torch.zeros_like(args[1]), *args[2:]), fresh=True)
 # The decoder layer's output, (hidden, residual): the stream is their sum.
 STREAM_OUT = Codec("stream_out", lambda args, kwargs, out: (out[0] + out[1],),
-                   lambda args, kwargs, out, new: (new[0], torch.zeros_like(out[1])))
+                   lambda args, kwargs, out, new: (new[0], torch.zeros_like(out[1])), fresh=True)
 # A module's first input (o_proj's is z, down_proj's is mlp_act).
 INPUT = Codec("input", lambda args, kwargs, out: (args[0],),
               lambda args, kwargs, out, new: (new[0], *args[1:]))
@@ -121,8 +123,13 @@ class Site:
 
     def addresses(self, layer: int | None) -> tuple[tuple[Address, ...], ...]:
         """Per unpacked tensor, the addresses read and edited on it, in order."""
-        return tuple(tuple(_address(p, layer) for p in chain.split(">") if _address(p, layer) is not None)
-                     for chain in self.points)
+        return _addresses(self, layer)
+
+
+@functools.cache  # hooks are installed per call, ~10 sites per layer: a few hundred checked Addresses a call
+def _addresses(site: Site, layer: int | None) -> tuple[tuple[Address, ...], ...]:
+    return tuple(tuple(_address(p, layer) for p in chain.split(">") if _address(p, layer) is not None)
+                 for chain in site.points)
 
 
 def _address(point: str, layer: int | None) -> Address | None:

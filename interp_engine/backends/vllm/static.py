@@ -31,7 +31,8 @@ from interp_engine.backends.vllm.patterns import record_patterns
 from interp_engine.backends.vllm.static_clamp import ClampTap
 from interp_engine.backends.vllm.sites import FINAL, LAYER_SITES, LOGITS, MODEL_SITES, Site, module_of, register
 from interp_engine.backends.vllm.derived import expert_weights, head_results, record
-from interp_engine.backends.vllm.worker import InterpExtension, StepState, WorkerCall, layout_of
+from interp_engine.backends.vllm.layouts import layout_of
+from interp_engine.backends.vllm.worker import InterpExtension, StepState, WorkerCall
 from interp_engine.edits import affine, failure
 from interp_engine.spec import Clamp
 from interp_engine.taps import DERIVED, PATTERNS, Taps

@@ -12,6 +12,8 @@
   /dev/shm) and deletes; from another host, as safetensors bytes.
 """
 
+import io
+import json
 import os
 import socket
 import tempfile
@@ -25,6 +27,7 @@ from interp_engine.addresses import Address
 if TYPE_CHECKING:
     from interp_engine.inputs import Prompts
 
+from interp_engine.backends.vllm import results
 from interp_engine.errors import BackendError, SpecError, fix
 
 TAG = "interp_engine"
@@ -43,6 +46,7 @@ METHODS = (ATTACH, COLLECT, RELEASE, STATUS, WEIGHTS, PUT_SAES, SAES)
 ERROR = "interp_engine_error"  # a failed call's COLLECT answer: the message the driver raises
 IN_SPEC = "in_spec"  # ...and whether an op failed (SpecError) rather than a read (BackendError)
 LENS = "lens:"  # key prefix of a logit-lens read (log-probs computed in the worker)
+ROWS = "shared_rows"  # a result's metadata: {key: the key whose (prompt, position) index it shares}
 
 
 # ------------------------------------------------------------------------------------------- requests
@@ -135,46 +139,52 @@ def key(address: Address | str, *, lens: bool = False) -> str:
 
 
 def encode(records: Mapping[str, list[tuple[Tensor, Tensor, Tensor]]], *, path: str = "") -> bytes | str:
-    """Worker side: per key, (prompt, position, value) chunks -> safetensors bytes, or, with `path`, a file
-    there whose name is returned."""
-    from safetensors.torch import save, save_file
-
-    join = lambda parts: parts[0] if len(parts) == 1 else torch.cat(parts)  # noqa: E731
-    out: dict[str, Tensor] = {}
+    """Worker side: per key, (prompt, position, value) host chunks -> one file at `path` (its name is returned),
+    or its bytes. Chunks are written as they are (`results.write`), never joined; keys recorded at the same rows
+    (every address of a call, step after step) share one (prompt, position) index, written once."""
+    tensors: dict[str, list[Tensor]] = {}
+    owners: dict[tuple[int, ...], str] = {}  # the identity of a key's index chunks -> the key holding them
+    shared: dict[str, str] = {}
     for name, chunks in records.items():
-        out[f"{name}|prompt"] = torch.cat([c[0] for c in chunks])  # small; shared by every address
-        out[f"{name}|pos"] = torch.cat([c[1] for c in chunks])
-        out[f"{name}|value"] = join([c[2] for c in chunks]).contiguous()
+        index = tuple(id(t) for c in chunks for t in c[:2])
+        if (owner := owners.setdefault(index, name)) != name:
+            shared[name] = owner
+        else:
+            tensors[f"{name}|prompt"] = [c[0] for c in chunks]
+            tensors[f"{name}|pos"] = [c[1] for c in chunks]
+        tensors[f"{name}|value"] = [c[2] for c in chunks]
+    metadata = {ROWS: json.dumps(shared)} if shared else None
     if path:
-        save_file(out, path)
+        results.write(path, tensors, metadata)
         return path
-    return save(out) if out else b""
+    if not tensors:
+        return b""
+    buffer = io.BytesIO()
+    results.write(buffer, tensors, metadata)
+    return buffer.getvalue()
 
 
 def encode_failure(message: str, *, in_spec: bool, path: str) -> None:
     """Worker side: a handed-back call that failed (rank 0's view: every rank runs the same ops on the same
     gathered rows) leaves its failure where its records would be, for `decode` to raise."""
-    from safetensors.torch import save_file
-
-    save_file({}, path, metadata={ERROR: message, IN_SPEC: "1" if in_spec else ""})
+    results.write(path, {}, {ERROR: message, IN_SPEC: "1" if in_spec else ""})
 
 
 def decode(answer: bytes | str) -> dict[str, Tensor]:
-    """Driver side: what `encode` returned -> the flat tensor dict (a failure file raises the call's error).
-    Ctrl-C waits until it is read: safetensors' native code turns a KeyboardInterrupt raised in its Python
-    callbacks into a ValueError, which the caller would take for a failed call, not an interrupt."""
-    from safetensors import safe_open
-    from safetensors.torch import load
-
+    """Driver side: what `encode` returned -> the flat tensor dict (a failure file raises the call's error), each
+    tensor a view of the one mapped file (`results.read`); keys sharing an index get the same index tensors.
+    Ctrl-C waits until it is read."""
     from interp_engine.backends.vllm.procs import deferred_interrupt
 
+    if not answer:
+        return {}
     with deferred_interrupt():
-        if isinstance(answer, str) and answer:
-            with safe_open(answer, "pt") as f:
-                if ERROR in (meta := f.metadata() or {}):
-                    raise _failed(meta[ERROR], bool(meta.get(IN_SPEC)))
-                return {name: f.get_tensor(name) for name in f.keys()}
-        return load(answer) if answer else {}
+        flat, meta = results.read(answer)
+    if ERROR in meta:
+        raise _failed(meta[ERROR], bool(meta.get(IN_SPEC)))
+    for name, owner in json.loads(meta.get(ROWS, "{}")).items():
+        flat[f"{name}|prompt"], flat[f"{name}|pos"] = flat[f"{owner}|prompt"], flat[f"{owner}|pos"]
+    return flat
 
 
 def result_path(call: str) -> str:
@@ -206,16 +216,20 @@ def assemble(flat: dict[str, Tensor], reads: list[Address], lengths: tuple[int, 
     With `offsets`, row `offsets[i] + j` of prompt i lands at column j (generated positions)."""
     width = max(max(lengths), 1)
     starts = torch.tensor((0, *lengths)).cumsum(0)
+    in_order: dict[int, bool] = {}  # per index (keys share one, see `decode`): checked once, not per address
     out = {}
     for address in reads:
         prompt, pos, value = rows(flat, address, lens=lens)
         patterns = address.info.pos_axis == 2 and not lens
-        if offsets is None and not patterns and len(pos) == int(starts[-1]) and \
-                torch.equal(starts[prompt] + pos, torch.arange(len(pos))):
-            # Each prompt's rows once, in order (the usual case): a view, or one copy per prompt where ragged.
-            # The index_put below is a parallel op in the driver; on a busy machine its threads stall the call.
-            out[address] = _padded(value, lengths, width)
-            continue
+        if offsets is None and not patterns:
+            if (whole := in_order.get(id(pos))) is None:
+                whole = in_order[id(pos)] = len(pos) == int(starts[-1]) and \
+                    torch.equal(starts[prompt] + pos, torch.arange(len(pos)))
+            if whole:
+                # Each prompt's rows once, in order (the usual case): a view, or one copy per prompt where ragged.
+                # The index_put below is a parallel op in the driver; on a busy machine its threads stall the call.
+                out[address] = _padded(value, lengths, width)
+                continue
         if offsets is not None:
             pos = pos - torch.tensor(offsets)[prompt]
         keep = (pos >= 0) & (pos < torch.tensor(lengths)[prompt])
@@ -230,28 +244,27 @@ def _padded(value: Tensor, lengths: tuple[int, ...], width: int) -> Tensor:
     """Rows of prompt after prompt, each whole -> [n_prompts, width, ...], zeros past each end."""
     if all(n == width for n in lengths):
         return value.view(len(lengths), width, *value.shape[1:])
-    full = value.new_zeros((len(lengths), width, *value.shape[1:]))
-    start = 0
-    for i, n in enumerate(lengths):
-        full[i, :n] = value[start:start + n]
-        start += n
-    return full
+    # One op, its per-prompt copies in C++: a Python loop over prompts cost every address ~prompts x 10 us.
+    return torch.nn.utils.rnn.pad_sequence(value.split(lengths), batch_first=True)
 
 
 def flatten(flat: dict[str, Tensor], reads: tuple[Address, ...], lengths: tuple[int, ...]) -> dict[Address, Tensor]:
     """Rows keyed by (prompt, position) -> [sum(lengths), ...], prompt after prompt, each position once."""
     starts = torch.tensor((0, *lengths)).cumsum(0)
     total = int(starts[-1])
+    in_order: dict[int, Tensor | None] = {}  # per index (shared by keys): None if in order, else where rows go
     out = {}
     for address in reads:
         prompt, pos, value = rows(flat, address)
-        index = starts[prompt] + pos
-        seen = torch.zeros(total, dtype=torch.bool)
-        seen[index] = True
-        if len(index) != total or not seen.all():
-            raise BackendError(f"internal: the workers recorded {len(index)} rows at {address} for {total} "
-                               f"prompt tokens ({int(seen.sum())} distinct)")
-        if torch.equal(index, torch.arange(total)):  # recorded in order already (the usual case): no copy
+        if id(pos) not in in_order:
+            index = starts[prompt] + pos
+            seen = torch.zeros(total, dtype=torch.bool)
+            seen[index] = True
+            if len(index) != total or not seen.all():
+                raise BackendError(f"internal: the workers recorded {len(index)} rows at {address} for {total} "
+                                   f"prompt tokens ({int(seen.sum())} distinct)")
+            in_order[id(pos)] = None if torch.equal(index, torch.arange(total)) else index
+        if (index := in_order[id(pos)]) is None:  # recorded in order already (the usual case): no copy
             out[address] = value
             continue
         out_rows = torch.empty_like(value)

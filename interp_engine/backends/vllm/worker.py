@@ -16,10 +16,10 @@ import torch
 from torch import Tensor
 
 from interp_engine.addresses import Address
-from interp_engine.backends.vllm import compat, sae_refs, wire
+from interp_engine.backends.vllm import compat, results, sae_refs, wire
 from interp_engine.backends.vllm.derived import expert_weights, head_results, record, routing_of
+from interp_engine.backends.vllm.layouts import layout_of, shards_of
 from interp_engine.backends.vllm.patterns import record_patterns
-from interp_engine.backends.vllm.shards import Shards
 from interp_engine.backends.vllm.weights import WeightsExtension
 from interp_engine.backends.vllm.sites import (EMBED, FINAL, LOGITS, MODEL_SITES, Site, layer_positions, layer_sites,
                                                module_of, register)
@@ -147,8 +147,9 @@ class InterpExtension(WeightsExtension):
             handle.remove()
         self._ie_handles, self._ie_state = [], None
         calls = self._ie_calls()
-        if calls:
-            self._ie_state, self._ie_handles = install(self.model_runner, calls)
+        if calls:  # the step state depends on the model only: made once, as the calls dict is the same one
+            self._ie_kept = getattr(self, "_ie_kept", None) or StepState(self.model_runner, calls)
+            self._ie_state, self._ie_handles = install(self.model_runner, calls, self._ie_kept)
 
     def _ie_step_state(self) -> "StepState | None":
         return getattr(self, "_ie_state", None)
@@ -164,6 +165,7 @@ class InterpExtension(WeightsExtension):
             state.active = []  # a step without installed calls maps no rows: nothing of an earlier step stays
         out = self._ie_run(forward, *args, **kwargs)
         if state is not None and state.active:
+            state.to_host()
             self._ie_hand_back(state)
         return out
 
@@ -213,33 +215,6 @@ def _records(call: WorkerCall) -> dict[str, list]:
     return {wire.key(a) if isinstance(a, Address) else a: chunks for a, chunks in call.records.items()}
 
 
-def layout_of(runner):
-    """The family's vLLM layout; for a model type without a table, the one found in vLLM's module tree (once
-    per model: it walks every module)."""
-    from interp_engine.arch import table_for
-
-    config, model = compat.hf_config(runner), compat.model(runner)
-    arch = table_for(config)
-    if arch is not None:
-        return arch.vllm
-    if getattr(model, "_ie_layout", None) is None:
-        from interp_engine.backends.vllm.discover import discover_layout
-
-        model._ie_layout = discover_layout(model, config)
-    return model._ie_layout
-
-
-def shards_of(runner, layout) -> Shards:
-    from interp_engine.arch import read_dims, table_for
-
-    config = compat.hf_config(runner)
-    layer = compat.model(runner).get_submodule(layout.layers)[0]
-    if layout.attention is None:  # a discovered layout: residual-stream points only, none sharded
-        return Shards(config)
-    down = compat.input_width(layer.get_submodule(layout.mlp_down)) if layout.mlp_down is not None else 0
-    return Shards(config, layer.get_submodule(layout.attention), down, read_dims(config, table_for(config)).n_experts)
-
-
 class StepState:
     """Per forward: which rows belong to which call, built at the first layer's pre-hook."""
 
@@ -254,6 +229,8 @@ class StepState:
         # norm.forward, not norm(): hooks on the final norm belong to the model's own final, not to a lens read.
         self.lens = lambda x: torch.log_softmax(model.compute_logits(norm.forward(x)).float(), dim=-1)
         self.active: list[Active] = []
+        self.recording = compat.tp_rank() == 0  # only rank 0's records are handed back
+        self.moving: list[tuple[WorkerCall, list, int]] = []  # this step's records on the device: where they are
 
     def begin(self, positions: Tensor) -> None:
         req_ids, qsl = compat.step_requests(self.runner)
@@ -262,28 +239,32 @@ class StepState:
             tag = wire.read_tag(compat.request_extra_args(self.runner, req_id))
             if tag is None or tag.get("call") not in self.calls:
                 continue
-            rows, prompts, lengths = groups.setdefault(tag["call"], ([], [], []))
-            count = qsl[j + 1] - qsl[j]
-            rows.append(torch.arange(qsl[j], qsl[j + 1]))
-            prompts.append(torch.full((count,), int(tag["prompt"])))
-            lengths.append(torch.full((count,), int(tag["length"])))
-        self.active = []
+            spans, prompts, lengths = groups.setdefault(tag["call"], ([], [], []))
+            spans.append((qsl[j], qsl[j + 1]))
+            prompts.append(int(tag["prompt"]))
+            lengths.append(int(tag["length"]))
+        self.active, self.moving = [], []
         device = positions.device
-        for call_id, (rows, prompts, lengths) in groups.items():
-            rows = torch.cat(rows).to(device)
+        for call_id, (spans, prompts, lengths) in groups.items():
+            # Built on the host and moved once: no device round trip (a sync on CUDA) but the positions'.
+            whole = spans[0][0] == 0 and spans[-1][1] == len(positions) and \
+                all(end == start for (_, end), (start, _) in zip(spans, spans[1:]))
+            counts = torch.tensor([b - a for a, b in spans])
+            rows = torch.cat([torch.arange(a, b) for a, b in spans]).to(device)
             pos = positions.index_select(0, rows).long()
-            length = torch.cat(lengths).to(device)
+            prompts_cpu, lengths_cpu = torch.tensor(prompts).repeat_interleave(counts), \
+                torch.tensor(lengths).repeat_interleave(counts)
+            pos_cpu, length = pos.cpu(), lengths_cpu.to(device)
             # "last" is the last prompt token while prefilling, the newest token while generating.
             last = torch.where(pos < length, length - 1, pos)
-            step = Step(pos[None], last[None], length[None], torch.cat(prompts).to(device)[None])
-            whole = len(rows) == len(positions) and bool((rows == torch.arange(len(rows), device=device)).all())
-            prompts_cpu, pos_cpu = step.prompt_index[0].cpu(), pos.cpu()
-            ended = prompts_cpu[pos_cpu == torch.cat(lengths) - 1].tolist()
+            step = Step(pos[None], last[None], length[None], prompts_cpu.to(device)[None])
+            ended = prompts_cpu[pos_cpu == lengths_cpu - 1].tolist()
             self.active.append(Active(self.calls[call_id], rows, step, whole, prompts_cpu, pos_cpu, tuple(ended)))
 
-    def touch(self, address: Address, x: Tensor) -> Tensor:
+    def touch(self, address: Address, x: Tensor, fresh: bool = False) -> Tensor:
         """x is [rows, ...]: apply each call's ops on its rows and record its reads. Out of place; returns x
-        itself when nothing changed."""
+        itself when nothing changed. `fresh`: x is the hook's own (a sum, logits), never modified in place."""
+        given = x
         for active in self.active:
             call = active.call
             if not call.wants(address):
@@ -292,7 +273,7 @@ class StepState:
             mine = x[None] if whole else x.index_select(0, active.rows)[None]
             edited = self.edit(active, address, mine)
             # One copy per read: index_select already made one, unless these rows are the whole step.
-            self.keep(active, address, edited[0], copied=not (edited is mine and whole))
+            self.keep(active, address, edited[0], copied=not (edited is mine and whole) or (fresh and x is given))
             if edited is not mine:
                 x = edited[0].to(x.dtype) if whole else x.index_copy(0, active.rows, edited[0].to(x.dtype))
         return x
@@ -321,23 +302,44 @@ class StepState:
         call, where = active.call, (active.prompts_cpu, active.positions_cpu)
         # The lens gathers vocab shards (a collective): run for a failed call too, so every rank gathers alike.
         lensed = self.lens(rows) if address in call.lens else None
-        if call.error:
+        if call.error or not self.recording:
             return
         try:
             if address in call.reads:
-                kept = rows.detach() if copied else rows.detach().clone()
-                call.records.setdefault(address, []).append((*where, kept.cpu()))
+                self.record(call, address, *where, rows.detach() if copied else rows.detach().clone())
             if lensed is not None:
-                call.records.setdefault(wire.key(address, lens=True), []).append((*where, lensed.cpu()))
+                self.record(call, wire.key(address, lens=True), *where, lensed)
         except Exception as e:
             call.fail(wire.recording_failed(address, e), in_spec=False)
 
+    def record(self, call: WorkerCall, key: Address | str, prompts: Tensor, positions: Tensor, value: Tensor) -> None:
+        """Keep rows of `call` (`value`: a copy, no view of the model's tensors), indexed by host tensors; rows
+        on a device leave it with the step's others (`to_host`)."""
+        chunks = call.records.setdefault(key, [])
+        chunks.append((prompts, positions, value))
+        if value.device.type != "cpu":
+            self.moving.append((call, chunks, len(chunks) - 1))
 
-def install(runner, calls: dict[str, WorkerCall]) -> tuple[StepState, list]:
+    def to_host(self) -> None:
+        """After the forward: every record of this step leaves the device in one copy (`results.to_host`)."""
+        moving, self.moving = self.moving, []
+        if not moving:
+            return
+        try:
+            hosted = results.to_host([chunks[i][2] for _, chunks, i in moving])
+        except Exception as e:  # pinned memory refused, say: the calls fail, not the engine
+            for call, _, _ in moving:
+                call.fail(wire.recording_failed("this step's rows", e), in_spec=False)
+            return
+        for (_, chunks, i), value in zip(moving, hosted):
+            chunks[i] = (*chunks[i][:2], value)
+
+
+def install(runner, calls: dict[str, WorkerCall], state: StepState | None = None) -> tuple[StepState, list]:
     """Register the hooks these calls need on the runner's model; return the step state and their handles."""
     layout = layout_of(runner)
     model = compat.model(runner)
-    state = StepState(runner, calls)
+    state = state or StepState(runner, calls)
     needed = set().union(*(c.ops.keys() | c.reads | c.lens for c in calls.values()))
     handles = []
     for i, layer in enumerate(model.get_submodule(layout.layers)):
@@ -376,11 +378,11 @@ def _hook(site: Site, root, layer: int | None, layout, state: StepState, needed:
             gathered = shards.present(point, x)
             edited = gathered
             for address in chain:
-                edited = state.touch(address, edited)
+                edited = state.touch(address, edited, fresh=site.codec.fresh and edited is gathered)
             if logits:  # all ranks compute (the vocab-parallel gather is a collective); rank 0's copy is kept
-                state.touch(LOGITS, model.compute_logits(edited))
+                state.touch(LOGITS, model.compute_logits(edited), fresh=True)
             if routing:  # the weights vLLM's top-k takes from these (edited) logits, recomputed
-                state.touch(weights, expert_weights(edited, state.routing))
+                state.touch(weights, expert_weights(edited, state.routing), fresh=True)
             if results:  # each head's share of what o_proj makes of this (edited) z
                 record(state, result, lambda: head_results(shards, edited, module))
             full[point] = edited

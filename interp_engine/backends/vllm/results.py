@@ -1,0 +1,101 @@
+"""How a call's rows travel from a worker to the driver, below the protocol's names (`wire.py`).
+
+Worker: each step's rows of every call (device copies) leave the device together, in one copy into pinned
+host memory (`to_host`); on the CPU they are host tensors already and are kept as they are. At the call's end
+its chunks are written as one file (`write`) in safetensors' layout, chunk after chunk, never joined first.
+Driver: the file is mapped, and every tensor is a view of that one mapping: no copy, whatever the number of
+addresses (the tensors stay valid after the file is deleted; they hold its pages while they live).
+"""
+
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+# safetensors' dtype names; a result's dtypes are the model's, int64 for its indices
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+# ------------------------------------------------------------------------------------------- worker
+
+def to_host(values: Sequence[Tensor]) -> list[Tensor]:
+    """`values` on the host: device tensors through one gather on the device and one non-blocking copy into
+    pinned memory, synchronised once; host tensors as they are."""
+    moved = [i for i, v in enumerate(values) if v.device.type != "cpu"]
+    out = list(values)
+    if not moved:
+        return out
+    # Largest elements first: every tensor then starts at a multiple of its element size in the joined bytes.
+    moved.sort(key=lambda i: -values[i].element_size())
+    joined = torch.cat([values[i].detach().contiguous().reshape(-1).view(torch.uint8) for i in moved])
+    host = torch.empty(joined.shape, dtype=torch.uint8, pin_memory=True)
+    host.copy_(joined, non_blocking=True)
+    torch.cuda.current_stream(joined.device).synchronize()
+    start = 0
+    for i in moved:
+        value = values[i]
+        size = value.numel() * value.element_size()
+        out[i] = host[start:start + size].view(value.dtype).view(value.shape)
+        start += size
+    return out
+
+
+def write(target, tensors: Mapping[str, Sequence[Tensor]], metadata: Mapping[str, str] | None = None) -> None:
+    """A safetensors file at `target` (a path, or a binary file object), each tensor given as chunks along its
+    first axis (host tensors, each with the others' trailing shape and dtype) and written as they are."""
+    # Largest elements first (as safetensors does): every tensor starts aligned for a view of its dtype.
+    names = sorted(tensors, key=lambda n: -tensors[n][0].element_size())
+    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+    start = 0
+    for name in names:
+        chunks = tensors[name]
+        first = chunks[0]
+        size = sum(c.numel() for c in chunks) * first.element_size()
+        header[name] = {"dtype": NAMES[first.dtype], "shape": [sum(len(c) for c in chunks), *first.shape[1:]],
+                        "data_offsets": [start, start + size]}
+        start += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    buffers: Iterable = (c.contiguous().view(torch.uint8).numpy() for n in names for c in tensors[n] if c.numel())
+    if isinstance(target, str):
+        with open(target, "wb") as f:
+            _write(f, text, buffers)
+    else:
+        _write(target, text, buffers)
+
+
+def _write(f, text: bytes, buffers: Iterable) -> None:
+    f.write(len(text).to_bytes(8, "little"))
+    f.write(text)
+    for buffer in buffers:
+        f.write(buffer)
+
+
+# ------------------------------------------------------------------------------------------- driver
+
+def read(source: str | bytes) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """(tensors, metadata) of a safetensors file (a path) or its bytes, every tensor a view of one buffer: the
+    file mapped privately (copy on write: the file never changes), or the bytes."""
+    if isinstance(source, str):
+        buffer = torch.from_file(source, shared=False, size=os.path.getsize(source), dtype=torch.uint8)
+    else:
+        buffer = torch.frombuffer(bytearray(source), dtype=torch.uint8) if source else torch.empty(0, dtype=torch.uint8)
+    if len(buffer) < 8:
+        raise ValueError("not a safetensors buffer: shorter than its header's length")
+    n = int.from_bytes(buffer[:8].numpy().tobytes(), "little")
+    header = json.loads(buffer[8:8 + n].numpy().tobytes())
+    metadata = header.pop("__metadata__", None) or {}
+    base, out = 8 + n, {}
+    for name, entry in header.items():
+        dtype = DTYPES[entry["dtype"]]
+        start, end = (base + o for o in entry["data_offsets"])
+        raw = buffer[start:end]
+        if start % dtype.itemsize:  # not aligned for a view (not a layout `write` makes): copied
+            raw = raw.clone()
+        out[name] = raw.view(dtype).view(entry["shape"])
+    return out, metadata
