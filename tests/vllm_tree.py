@@ -1,0 +1,34 @@
+"""vLLM's own module tree of a model, built on the meta device in a child process (vLLM's distributed state is
+process-wide): what the site tables of families vLLM does not serve through us yet are checked against."""
+
+import json
+import subprocess
+import sys
+
+_SCRIPT = """
+import importlib, json, socket, sys, torch
+from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
+from vllm.distributed import init_distributed_environment, initialize_model_parallel
+path, module, name, dtype, overrides = sys.argv[1:]
+cls = getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), name)
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+config = VllmConfig(model_config=ModelConfig(model=path, tokenizer=path, skip_tokenizer_init=True, dtype=dtype,
+                                             hf_overrides=json.loads(overrides)))
+with set_current_vllm_config(config):
+    init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, "gloo")
+    initialize_model_parallel(1)
+    with torch.device("meta"):
+        model = cls(vllm_config=config)
+print(json.dumps({name: [type(m).__name__, getattr(m, "kv_sharing_target_layer_name", None)]
+                  for name, m in model.named_modules()}))
+"""
+
+
+def module_tree(path, module: str, name: str, dtype: str = "float32", overrides: dict | None = None):
+    """({module path: class name}, {attention path: the layer whose KV cache it reads, where shared}) of vLLM's
+    `vllm.model_executor.models.<module>.<name>` built from the model folder at `path`."""
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(path), module, name, dtype, json.dumps(overrides or {})],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tree = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {k: v[0] for k, v in tree.items()}, {k: v[1] for k, v in tree.items() if v[1]}
