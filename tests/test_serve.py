@@ -341,15 +341,21 @@ def _generated(server) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("vllm:generation_tokens_total"))
 
 
+def _post(server, body: dict) -> http.client.HTTPConnection:
+    """A completion request on a raw connection of our own, to hang up on."""
+    connection = http.client.HTTPConnection(*server[1].removeprefix("http://").removesuffix("/v1").split(":"),
+                                            timeout=60)
+    connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json",
+                                                                    "Authorization": f"Bearer {KEY}"})
+    return connection
+
+
 def test_a_client_that_hangs_up_mid_stream_leaves_nothing_behind(server, api, eager):
     spec = S.Add("resid_post.1", _vector(5))
     generated = _generated(server)
     body = {"model": server[2], "prompt": PROMPTS, "max_tokens": 100, "temperature": 0.0, "ignore_eos": True,
             "stream": True, **client.extra_body(spec)}
-    connection = http.client.HTTPConnection(*server[1].removeprefix("http://").removesuffix("/v1").split(":"),
-                                            timeout=60)
-    connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json",
-                                                                    "Authorization": f"Bearer {KEY}"})
+    connection = _post(server, body)
     response = connection.getresponse()
     assert response.status == 200 and response.readline().startswith(b"data: ")  # the first token has come
     connection.sock.shutdown(socket.SHUT_RDWR)  # hang up, far from the 200 tokens asked
@@ -371,10 +377,7 @@ def test_a_client_that_hangs_up_before_its_response_leaves_nothing_behind(server
     generated, asked = _generated(server), 4 * 120
     body = {"model": server[2], "prompt": PROMPTS * 2, "max_tokens": 120, "temperature": 0.0, "ignore_eos": True,
             **client.extra_body(spec, capture=["resid_post.0"])}
-    connection = http.client.HTTPConnection(*server[1].removeprefix("http://").removesuffix("/v1").split(":"),
-                                            timeout=60)
-    connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json",
-                                                                    "Authorization": f"Bearer {KEY}"})
+    connection = _post(server, body)
     deadline = time.monotonic() + 30
     while _held(server)[0]["calls"] == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
