@@ -7,16 +7,13 @@ for a 16x SAE of a 256-wide model, measured with benchmarks/sae.py). So the driv
 digest; every worker decodes it once and keeps it in `sae.KEPT` for the engine's life (its processes end with it).
 """
 
-import hashlib
-import json
 from collections.abc import Callable
 
 from interp_engine.sae import KEPT, SAE
 
 
 def key(sae: SAE) -> str:
-    """The SAE's identity by content: its tensors' digests and its settings."""
-    return hashlib.sha256(json.dumps(sae.encoded(lambda t: t.digest), sort_keys=True).encode()).hexdigest()[:32]
+    return sae.key
 
 
 def by_reference(spec, compiled: dict, sent: set[str], put: Callable[[dict], object]) -> dict:
