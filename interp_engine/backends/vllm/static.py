@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from interp_engine import sae
 from interp_engine.addresses import Address
 from interp_engine.backends.vllm import compat, wire
 from interp_engine.backends.vllm.patterns import record_patterns
@@ -42,9 +43,10 @@ CONFIG_KEY = wire.CONFIG_KEY
 
 @functools.cache
 def _code_version() -> str:
-    """The tap code's hash: part of vLLM's compile-cache key, so a graph traced by older taps is never reused."""
+    """The tap code's hash: part of vLLM's compile-cache key, so a graph traced by older taps is never reused
+    (sae.py too: the compiled splice traces the SAE's own arithmetic)."""
     digest = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.glob("*.py")):
+    for path in (*sorted(Path(__file__).parent.glob("*.py")), Path(sae.__file__)):
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 
