@@ -1,6 +1,6 @@
 """The taps a `vllm-static` engine is compiled with: which points it reads, which it writes, where an SAE
 feature clamp is compiled in (`clamps`: declared with an SAE in static_writes; backends/vllm/static_clamp.py) and
-which SAEs a Splice may use (`splices`, the same SAEs; backends/vllm/static_splice.py).
+which SAEs a Splice may use (`splices`: declared as S.Splice(sae); backends/vllm/static_splice.py).
 
 They are fixed at load (they are part of the compiled graph), so every request is checked against them before
 it reaches the engine. Plain data: no torch, no vLLM.
@@ -57,12 +57,11 @@ class Taps:
     reads: tuple[Address, ...]
     writes: tuple[Address, ...]
     clamps: tuple[Address, ...] = ()  # also in writes
-    splices: tuple[DeclaredSAE, ...] = ()  # at clamps
+    splices: tuple[DeclaredSAE, ...] = ()  # each at one of clamps
 
     @classmethod
-    def of(cls, static_points: Any, static_writes: Any, n_layers: int,
+    def of(cls, static_points: Any, static_writes: Any, n_layers: int, clamps: tuple[Address, ...] = (),
            splices: tuple[DeclaredSAE, ...] = ()) -> "Taps":
-        clamps = tuple(s.reads for s in splices)
         reads = declare(static_points, n_layers, keyword="static_points")
         writes = tuple(dict.fromkeys((*declare(static_writes, n_layers, keyword="static_writes"), *clamps)))
         eager_only = [str(a) for a in writes if a.info.eager_only_write or a.info.read_only]

@@ -145,9 +145,9 @@ def _compiled_clamp(op, address: Address, taps) -> BackendError | None:
     if isinstance(op, Splice):
         return BackendError(fix(
             f"Splice at {address} with an SAE this vllm-static engine was not loaded with: a compiled splice holds "
-            f"the weights of the SAEs declared at load (here {len(taps.splices) if taps else 0}, at [{declared}]).",
-            'declare it at load: load_model(..., backend="vllm-static", static_writes=[..., sae]) (a reload); or use '
-            'backend="vllm" (per request) or "eager".'))
+            f"the weights of the SAEs declared for it at load (here {len(taps.splices) if taps else 0}).",
+            'declare it at load: load_model(..., backend="vllm-static", static_writes=[..., S.Splice(sae)]) (a '
+            'reload); or use backend="vllm" (per request) or "eager".'))
     return BackendError(fix(
         f"Clamp at {address} encodes with an SAE, which a compiled tap's per-row (mul, add) cannot express; this "
         f"engine compiles clamps at [{declared}].",

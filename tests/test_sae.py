@@ -348,7 +348,7 @@ def test_the_compiled_splice_tap_equals_the_eager_splice_and_leaves_other_rows_b
     saes = (random_sae(d, 1, 5, apply_b_dec_to_input=True),
             random_sae(d, 1, 6, activation="jumprelu", threshold=torch.full((4 * d,), 0.1)),
             random_sae(d, 1, 7, activation="topk", k=5, normalize="constant_norm_rescale"))
-    _, declared = _declared_saes(saes, SimpleNamespace(n_layers=2, d_model=d))  # what load_model reads of dims
+    _, _, declared = _declared_saes([S.Splice(sae) for sae in saes], SimpleNamespace(n_layers=2, d_model=d))
     ops = (S.Splice(saes[0]), S.Splice(saes[1], error=True), S.Splice(saes[2], positions=[-1]),
            S.Splice(saes[2], error=True))
     x = torch.randn(12, d, generator=torch.Generator().manual_seed(0)) * 3

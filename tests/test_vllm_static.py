@@ -44,8 +44,8 @@ def _vllm_points(model) -> list:
 
 
 def _declared_saes(d: int) -> tuple:
-    """The SAEs the fixture's engine declares at resid_post.1 (clamps with the first two, splices with all three):
-    relu with b_dec subtracted first, jumprelu, and topk with input normalisation."""
+    """The SAEs the fixture's engine declares at resid_post.1: relu with b_dec subtracted first and jumprelu (for
+    clamps, and all three for splices), and topk with input normalisation (for splices only)."""
     return (random_sae(d, 1, 21, apply_b_dec_to_input=True),
             random_sae(d, 1, 22, activation="jumprelu", threshold=torch.full((4 * d,), 0.1)),
             random_sae(d, 1, 23, activation="topk", k=8, normalize="constant_norm_rescale"))
@@ -58,7 +58,8 @@ def static(request, tiny_path, eager):
     family = request.param
     with no_child_survives():
         model = _load(tiny_path(family), static_points=_vllm_points(eager(family)),
-                      static_writes=[*WRITES, *_declared_saes(eager(family).d_model)])
+                      static_writes=[*WRITES, *(saes := _declared_saes(eager(family).d_model))[:2],
+                                     *map(S.Splice, saes)])
         yield family, model
         asyncio.run(model.shutdown())
 
@@ -284,8 +285,11 @@ def test_compiled_sae_clamps_of_16_calls_at_once_equal_each_eager_solo_run(stati
                        (S.Clamp(random_sae(d, 0, 3), [0], to=1.0), r"compiles clamps at \[resid_post.1\]")):
         with pytest.raises(BackendError, match=match):
             steer(model, PROMPTS, bad, progress=False)
-    with pytest.raises(SpecError, match="(?s)compiled graph cannot hold.*residual-stream points"):
-        load_model(str(model.name), backend="vllm-static", static_writes=[random_sae(d, 1, 3, writes="mlp_out.1")])
+    for declared, match in (([random_sae(d, 1, 3, activation="topk", k=4)], "(?s)activation=topk.*S.Splice"),
+                            ([random_sae(d, 1, 3, writes="mlp_out.1")], "residual-stream points"),
+                            ([S.Splice(saes[0], error=True)], "a declaration is S.Splice")):
+        with pytest.raises(SpecError, match=match):
+            load_model(str(model.name), backend="vllm-static", static_writes=declared)
 
 
 def test_compiled_splices_mixed_with_plain_and_clamped_calls_equal_each_eager_solo_run(static, eager):
@@ -309,7 +313,7 @@ def test_compiled_splices_mixed_with_plain_and_clamped_calls_equal_each_eager_so
         if i in (0, 4):
             assert not torch.allclose(solo, steer(reference, prompts[i], [], progress=False), atol=1e-3), i
         _close(together[i], solo, f"call {i}")
-    undeclared = S.Splice(random_sae(d, 1, 3))
-    with pytest.raises(BackendError, match="(?s)not loaded with.*static_writes=") as info:
-        steer(model, PROMPTS, undeclared, progress=False)
-    assert "Fix:" in str(info.value)
+    for undeclared in (random_sae(d, 1, 3),):
+        with pytest.raises(BackendError, match=r"(?s)not loaded with.*static_writes=\[\.\.\., S\.Splice\(sae\)\]") as info:
+            steer(model, PROMPTS, S.Splice(undeclared), progress=False)
+        assert "Fix:" in str(info.value)
