@@ -99,7 +99,8 @@ class StaticTaps:
         self.reads = {a: make(a, 0.0) for a in taps.buffers()}
         self.writes = {a: (make(a, 1.0), make(a, 0.0)) for a in sorted(taps.writes)}
         self.clamps = {a: ClampTap(rows, shards.local_width(a.point, self.d_model), device) for a in taps.clamps}
-        self.splices = {a: SpliceTap(tuple(s for s in taps.splices if s.reads == a), rows, device) for a in taps.clamps}
+        self.splices = {a: SpliceTap(tuple(s for s in taps.splices if s.reads == a), rows, device)
+                        for a in dict.fromkeys(s.reads for s in taps.splices)}
         bodies = {a: _tap(self.reads.get(a), *self.writes.get(a, (None, None)), self.clamps.get(a), self.splices.get(a))
                   for a in self.reads.keys() | self.writes}
         self.handles = []
@@ -142,6 +143,7 @@ class StaticTaps:
             full_add = torch.zeros_like(full_mul)
             if address in self.clamps:
                 self.clamps[address].fill(editing, address)
+            if address in self.splices:
                 self.splices[address].fill(editing, address)
             for active in editing:
                 ops = [op for op in active.call.ops[address] if not isinstance(op, Clamp | Splice)]  # the SAE taps'
