@@ -295,7 +295,8 @@ def test_compiled_sae_clamps_of_16_calls_at_once_equal_each_eager_solo_run(stati
 def test_compiled_splices_mixed_with_plain_and_clamped_calls_equal_each_eager_solo_run(static, eager):
     """Splices with each declared SAE (relu, jumprelu, topk normalised), error=False and error=True, after an Add
     and at the last position only, in one batch with plain calls and a Clamp call, each against eager's run
-    alone. An SAE not declared at load is refused before the engine sees it, with the fix naming static_writes."""
+    alone; a spliced generation. An SAE not declared for splicing is refused before the engine sees it, with the
+    fix naming static_writes."""
     from concurrent.futures import ThreadPoolExecutor
 
     family, model = static
@@ -313,6 +314,9 @@ def test_compiled_splices_mixed_with_plain_and_clamped_calls_equal_each_eager_so
         if i in (0, 4):
             assert not torch.allclose(solo, steer(reference, prompts[i], [], progress=False), atol=1e-3), i
         _close(together[i], solo, f"call {i}")
+    splice = S.Splice(saes[2], positions=[-1])  # at decode steps too: each new token is the last position
+    assert generate(model, PROMPTS, splice, max_new_tokens=4, stop_at_eos=False).tokens == \
+        generate(reference, PROMPTS, splice, max_new_tokens=4, stop_at_eos=False).tokens
     for undeclared in (random_sae(d, 1, 3),):
         with pytest.raises(BackendError, match=r"(?s)not loaded with.*static_writes=\[\.\.\., S\.Splice\(sae\)\]") as info:
             steer(model, PROMPTS, S.Splice(undeclared), progress=False)
