@@ -10,7 +10,8 @@ from interp_engine.func import (Generation, Gradients, LensTop, capture, forward
 from interp_engine.handle import ModelHandle
 from interp_engine.harvest import Harvest, harvest, load_harvest
 from interp_engine.loading import BackendSelection, load_model, select_backend, vllm_installed
-from interp_engine.sae import SAE, load_sae
+from interp_engine.sae import SAE
+from interp_engine.sae_files import load_sae
 from interp_engine.spec import Spec
 from interp_engine.warnings import BackendFallbackWarning, InterpEngineWarning
 

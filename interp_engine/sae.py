@@ -1,28 +1,26 @@
 """Sparse autoencoders and transcoders as data: weights as content-addressed tensors (`TensorData`), the point
 they read (and, for a transcoder, the point they write), the activation and the input normalisation. No model, no
 backend: the same `SAE` encodes on the driver (feature reads) and inside an op (`spec.Clamp`, `spec.Splice`) in
-any backend's worker, where it arrives in the spec's table like any other tensor.
-
-`load_sae(path)` reads SAELens's folders (`cfg.json` + `sae_weights.safetensors`) and Gemma Scope's `params.npz`
-(numpy without pickle).
+any backend's worker (on vLLM sent once per engine and named by `SAE.key` in tables).
+`load_sae(path)` (`sae_files.py`) reads them from disk.
 """
 
+import hashlib
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from interp_engine.addresses import Address, PointInfo
-from interp_engine.errors import InterpEngineError, SpecError, fix
-from interp_engine.tensor_data import SPEC_DTYPES, TensorData, is_index, shown
+from interp_engine.errors import SpecError, fix
+from interp_engine.tensor_data import TensorData, is_index, shown
 
 ACTIVATIONS = ("relu", "jumprelu", "topk")
 NORMALISATIONS = ("none", "constant_norm_rescale", "layer_norm")
-_TENSORS = ("W_enc", "b_enc", "W_dec", "b_dec", "threshold")
+TENSORS = ("W_enc", "b_enc", "W_dec", "b_dec", "threshold")
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +47,7 @@ class SAE:
 
     def __post_init__(self):
         problems = []
-        for name in _TENSORS:
+        for name in TENSORS:
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, TensorData.of(value, what=f"SAE.{name}"))
@@ -111,43 +109,50 @@ class SAE:
 
     def top_features(self, k: int) -> "Features":
         """The sparse read of a wide SAE: `cache[sae.top_features(k)]` is a `TopFeatures` (values, indices), each
-        (batch, pos, k), `torch.topk(dense, k)` of the dense features. Ties (above all the zeros of features that
-        did not fire) come in torch.topk's order: where fewer than k fire, the trailing values are 0 and their
-        indices name some features that did not fire."""
+        (batch, pos, k), `torch.topk(dense, k)` of the dense features. Ties come in torch.topk's order: where fewer
+        than k fire, the trailing values are 0 and their indices name some features that did not fire."""
         if k is None:  # Features(sae, None) is the dense read: not what a call for the top k means
             raise _bad_k(k, self.d_sae)
         return Features(self, top_k=k)
 
-    def encode(self, x: Tensor) -> Tensor:
-        """Feature activations of `x` (..., d_in), in the SAE's dtype."""
-        return self._act(self._pre(self._norm_in(x)[0]))
+    @property
+    def key(self) -> str:
+        """The SAE by content (its tensors' digests and its settings): how workers and compiled taps name it."""
+        return hashlib.sha256(json.dumps(self.encoded(lambda t: t.digest), sort_keys=True).encode()).hexdigest()[:32]
 
-    def decode(self, f: Tensor, x: Tensor) -> Tensor:
+    def weights(self, device: torch.device) -> dict[str, Tensor]:
+        """The tensors `encode`, `decode` and `spliced` compute with unless given `w` (a compiled tap's buffers)."""
+        return {name: on_device(getattr(self, name), device) for name in TENSORS if getattr(self, name) is not None}
+
+    def encode(self, x: Tensor, w: Mapping[str, Tensor] | None = None) -> Tensor:
+        """Feature activations of `x` (..., d_in), in the SAE's dtype."""
+        w = w or self.weights(x.device)
+        return self._act(self._pre(self._norm_in(x)[0], w), w)
+
+    def decode(self, f: Tensor, x: Tensor, w: Mapping[str, Tensor] | None = None) -> Tensor:
         """The reconstruction of `x` from features `f` (normalisation undone with x's own statistics)."""
-        return self._norm_out(f @ self._on(self.W_dec, f) + self._on(self.b_dec, f), self._norm_in(x)[1])
+        w = w or self.weights(f.device)
+        return self._norm_out(f @ w["W_dec"] + w["b_dec"], self._norm_in(x)[1])
 
     def clamped(self, x: Tensor, features: tuple[int, ...], value: float) -> Tensor:
         """`x` (..., d_in) with `features` set to `value` and the error term kept: only their decoder rows move."""
         normed, stats = self._norm_in(x)
-        idx = torch.tensor(features, device=x.device)
+        idx, w = torch.tensor(features, device=x.device), self.weights(x.device)
         if self.activation == "topk":  # whether a feature is in the top k depends on every feature
-            f = self._act(self._pre(normed)).index_select(-1, idx)
+            f = self._act(self._pre(normed, w), w).index_select(-1, idx)
         else:  # relu and jumprelu act per feature: only the clamped columns are encoded
-            f = self._act(self._pre(normed, idx), idx)
-        delta = (value - f) @ self._on(self.W_dec, x).index_select(0, idx)
+            f = self._act(self._pre(normed, w, idx), w, idx)
+        delta = (value - f) @ w["W_dec"].index_select(0, idx)
         if self.normalize == "constant_norm_rescale":
             delta = delta / stats[0]
         elif self.normalize == "layer_norm":
             delta = delta * stats[1]
         return x + delta.to(x.dtype)
 
-    def spliced(self, x: Tensor, error: bool) -> Tensor:
+    def spliced(self, x: Tensor, error: bool, w: Mapping[str, Tensor] | None = None) -> Tensor:
         """`x` (..., d_in) replaced by its reconstruction; with `error`, plus `x - x_hat` held constant."""
-        x_hat = self.decode(self.encode(x), x).to(x.dtype)
+        x_hat = self.decode(self.encode(x, w), x, w).to(x.dtype)
         return x_hat + (x - x_hat).detach() if error else x_hat
-
-    def _on(self, t: TensorData, like: Tensor) -> Tensor:
-        return on_device(t, like.device)
 
     def _norm_in(self, x: Tensor) -> tuple[Tensor, tuple]:
         x = x.to(self.W_enc.tensor.dtype)
@@ -168,25 +173,25 @@ class SAE:
             return y * stats[1] + stats[0]
         return y
 
-    def _pre(self, x: Tensor, idx: Tensor | None = None) -> Tensor:
+    def _pre(self, x: Tensor, w: Mapping[str, Tensor], idx: Tensor | None = None) -> Tensor:
         if self.apply_b_dec_to_input:
-            x = x - self._on(self.b_dec, x)
-        w, b = self._on(self.W_enc, x), self._on(self.b_enc, x)
-        return x @ w + b if idx is None else x @ w.index_select(1, idx) + b.index_select(0, idx)
+            x = x - w["b_dec"]
+        enc, b = w["W_enc"], w["b_enc"]
+        return x @ enc + b if idx is None else x @ enc.index_select(1, idx) + b.index_select(0, idx)
 
-    def _act(self, pre: Tensor, idx: Tensor | None = None) -> Tensor:
+    def _act(self, pre: Tensor, w: Mapping[str, Tensor], idx: Tensor | None = None) -> Tensor:
         if self.activation == "topk":
             top = pre.topk(self.k, dim=-1)
             return torch.zeros_like(pre).scatter(-1, top.indices, top.values.relu())
         f = pre.relu()
         if self.activation == "jumprelu":
-            threshold = self._on(self.threshold, pre)
+            threshold = w["threshold"]
             f = f * (pre > (threshold if idx is None else threshold.index_select(0, idx))).to(f.dtype)
         return f
 
     def encoded(self, tensor: Callable[[TensorData], Any]) -> dict[str, Any]:
         """A JSON-ready dict, each tensor written by `tensor` (its bytes, or its digest for a fingerprint)."""
-        out: dict[str, Any] = {name: tensor(getattr(self, name)) for name in _TENSORS if getattr(self, name) is not None}
+        out: dict[str, Any] = {name: tensor(getattr(self, name)) for name in TENSORS if getattr(self, name) is not None}
         out.update(reads=str(self.reads), writes=None if self.writes is None else str(self.writes),
                    activation=self.activation, k=self.k, normalize=self.normalize,
                    apply_b_dec_to_input=self.apply_b_dec_to_input)
@@ -203,11 +208,11 @@ class SAE:
                 raise SpecError(fix(f"{what} names SAE {shown(d['ref'])}, which this process was never sent.",
                                     "send the SAE itself (Spec.to_dict() writes it whole)."))
             return KEPT[d["ref"]]
-        known = {*_TENSORS, "reads", "writes", "activation", "k", "normalize", "apply_b_dec_to_input"}
+        known = {*TENSORS, "reads", "writes", "activation", "k", "normalize", "apply_b_dec_to_input"}
         if unknown := sorted(shown(k) for k in d if k not in known):
             raise SpecError(fix(f"{what} has unknown keys {', '.join(unknown)}.", f"an SAE dict holds {sorted(known)}."))
-        kwargs = {k: v for k, v in d.items() if k not in _TENSORS}
-        for name in _TENSORS:
+        kwargs = {k: v for k, v in d.items() if k not in TENSORS}
+        for name in TENSORS:
             if name in d:
                 kwargs[name] = TensorData.from_dict(d[name], what=f"{what}.{name}",
                                                     digest=None if digest is None else f"{digest}.{name}")
@@ -270,7 +275,7 @@ def _bad_k(k, d_sae: int) -> SpecError:
                          "pass a whole k, e.g. sae.top_features(32); sae.features reads them all."))
 
 
-# SAEs a vLLM worker holds, by `sae_refs.key`, until the driver evicts them: tables name them by {"ref": key}.
+# SAEs a vLLM worker holds, by `SAE.key`, until the driver evicts them: tables name them by {"ref": key}.
 KEPT: dict[str, SAE] = {}
 
 FEATURES = PointInfo("features", ("batch", "pos", "d_sae"))
@@ -299,94 +304,3 @@ def flat(x: Tensor) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------- loading
-
-
-def load_sae(path: str | Path, *, reads: str | Address | None = None, writes: str | Address | None = None,
-             dtype: torch.dtype | None = None) -> SAE:
-    """An SAE from a SAELens folder (`cfg.json` + `sae_weights.safetensors`) or a Gemma Scope `params.npz`
-    (a file, or the folder holding it). `reads` names the point where the file does not (Gemma Scope's never
-    does; SAELens's `hook_name` is a TransformerLens name, read with `Address.parse`)."""
-    p = Path(path)
-    if p.is_dir() and (p / "cfg.json").is_file():
-        return _from_saelens(p, reads, writes, dtype)
-    npz = p / "params.npz" if p.is_dir() else p
-    if npz.suffix == ".npz" and npz.is_file():
-        return _from_npz(npz, reads, writes, dtype)
-    raise SpecError(fix(f"{p} holds neither a SAELens SAE (cfg.json + sae_weights.safetensors) nor a Gemma Scope "
-                        "params.npz.", "pass the folder SAELens's save_model wrote, or the params.npz file."))
-
-
-def _point(name: str | None, given, what: str, path: Path) -> Address | None:
-    if given is not None:
-        return Address.parse(given)
-    if name is None:
-        return None
-    try:
-        return Address.parse(name)
-    except InterpEngineError as e:
-        raise SpecError(fix(f"{path}: {what} {name!r} is not a point here ({e}).",
-                            f"pass {'reads' if what == 'hook_name' else 'writes'}= to load_sae.")) from None
-
-
-def _read(file: Path, read):
-    """`read(file)`, or the library's error: a truncated, corrupt or absurdly nested file is the caller's to fix."""
-    try:
-        return read(file)
-    except Exception as e:  # noqa: BLE001 - each reader (json, safetensors, numpy) raises its own kinds
-        raise SpecError(fix(f"{file} could not be read as an SAE file: {type(e).__name__}: {str(e)[:200]}",
-                            "pass the files as SAELens or Gemma Scope saved them (a copy cut short or edited by "
-                            "hand is refused).")) from None
-
-
-def _from_saelens(p: Path, reads, writes, dtype) -> SAE:
-    from safetensors.torch import load_file  # a flat tensor format: no code in it
-
-    cfg = _read(p / "cfg.json", lambda f: json.loads(f.read_text()))
-    if not isinstance(cfg, dict):
-        raise SpecError(fix(f"{p}/cfg.json holds a {type(cfg).__name__}, not SAELens's settings object.",
-                            "pass the folder SAELens's save_model wrote."))
-    meta = cfg.get("metadata") or cfg.get("meta") or {}
-    hook = cfg.get("hook_name") or meta.get("hook_name")
-    address = _point(hook, reads, "hook_name", p)
-    if address is None:
-        raise SpecError(fix(f"{p}/cfg.json names no hook_name.", 'pass reads= to load_sae, e.g. reads="resid_post.3".'))
-    arch = cfg.get("architecture", "standard")
-    act = cfg.get("activation_fn_str") or cfg.get("activation_fn") or "relu"
-    activation = {"standard": act, "jumprelu": "jumprelu", "topk": "topk", "transcoder": act,
-                  "jumprelu_transcoder": "jumprelu"}.get(arch, arch)
-    k = cfg.get("k") or (cfg.get("activation_fn_kwargs") or {}).get("k")
-    weights = _read(p / "sae_weights.safetensors", lambda f: load_file(str(f)))
-    if "log_threshold" in weights and "threshold" not in weights:  # a training checkpoint's JumpReLU
-        weights["threshold"] = weights.pop("log_threshold").exp()
-    return _built(weights, address, _point(cfg.get("hook_name_out"), writes, "hook_name_out", p), activation, k,
-                  cfg.get("normalize_activations", "none"), bool(cfg.get("apply_b_dec_to_input", False)), dtype, p)
-
-
-def _from_npz(p: Path, reads, writes, dtype) -> SAE:
-    import numpy as np
-
-    if reads is None:
-        raise SpecError(fix(f"{p} (Gemma Scope) does not say which point it reads.",
-                            'pass reads= to load_sae, e.g. load_sae(path, reads="resid_post.12").'))
-    def arrays(f):
-        with np.load(f, allow_pickle=False) as params:
-            return {name: torch.from_numpy(params[name].copy()) for name in params.files}
-
-    weights = _read(p, arrays)
-    activation = "jumprelu" if "threshold" in weights else "relu"
-    return _built(weights, Address.parse(reads), None if writes is None else Address.parse(writes), activation,
-                  None, "none", False, dtype, p)
-
-
-def _built(weights: dict, reads, writes, activation, k, normalize, apply_b_dec, dtype, p: Path) -> SAE:
-    missing = [n for n in ("W_enc", "b_enc", "W_dec", "b_dec") if n not in weights]
-    if missing:
-        raise SpecError(fix(f"{p} lacks {', '.join(missing)} (it holds {', '.join(sorted(weights))}).",
-                            "save the SAE with W_enc, b_enc, W_dec, b_dec (and threshold for jumprelu)."))
-    cast = {}
-    for name in _TENSORS:
-        if name in weights:
-            t = weights[name] if dtype is None else weights[name].to(dtype)
-            cast[name] = t if t.dtype in SPEC_DTYPES.values() else t.float()
-    return SAE(**cast, reads=reads, writes=writes, activation=activation, k=k, normalize=normalize,
-               apply_b_dec_to_input=apply_b_dec)

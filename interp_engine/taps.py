@@ -1,5 +1,6 @@
-"""The taps a `vllm-static` engine is compiled with: which points it reads, which it writes, and where an SAE
-feature clamp is compiled in (`clamps`: declared with an SAE in static_writes; backends/vllm/static_clamp.py).
+"""The taps a `vllm-static` engine is compiled with: which points it reads, which it writes, where an SAE
+feature clamp is compiled in (`clamps`: declared with an SAE in static_writes; backends/vllm/static_clamp.py) and
+which SAEs a Splice may use (`splices`: declared as S.Splice(sae); backends/vllm/static_splice.py).
 
 They are fixed at load (they are part of the compiled graph), so every request is checked against them before
 it reaches the engine. Plain data: no torch, no vLLM.
@@ -35,13 +36,35 @@ def declare(points: Any, n_layers: int, *, keyword: str) -> tuple[Address, ...]:
 
 
 @dataclass(frozen=True, slots=True)
+class DeclaredSAE:
+    """An SAE declared at load, as the compiled splice needs it: its identity (`SAE.key`), point, settings and
+    tensor shapes; not its weights, which fill the splice's buffers from the first call that splices with it."""
+
+    key: str
+    reads: Address
+    settings: tuple  # ((name, value), ...): activation, k, normalize, apply_b_dec_to_input
+    tensors: tuple  # ((name, shape, dtype), ...)
+
+    def to_config(self) -> dict:
+        return {"key": self.key, "reads": str(self.reads), "settings": dict(self.settings),
+                "tensors": [[n, list(shape), dtype] for n, shape, dtype in self.tensors]}
+
+    @classmethod
+    def from_config(cls, d: dict) -> "DeclaredSAE":
+        return cls(d["key"], Address.parse(d["reads"]), tuple(d["settings"].items()),
+                   tuple((n, tuple(shape), dtype) for n, shape, dtype in d["tensors"]))
+
+
+@dataclass(frozen=True, slots=True)
 class Taps:
     reads: tuple[Address, ...]
     writes: tuple[Address, ...]
     clamps: tuple[Address, ...] = ()  # also in writes
+    splices: tuple[DeclaredSAE, ...] = ()  # each at one of clamps
 
     @classmethod
-    def of(cls, static_points: Any, static_writes: Any, n_layers: int, clamps: tuple[Address, ...] = ()) -> "Taps":
+    def of(cls, static_points: Any, static_writes: Any, n_layers: int, clamps: tuple[Address, ...] = (),
+           splices: tuple[DeclaredSAE, ...] = ()) -> "Taps":
         reads = declare(static_points, n_layers, keyword="static_points")
         writes = tuple(dict.fromkeys((*declare(static_writes, n_layers, keyword="static_writes"), *clamps)))
         eager_only = [str(a) for a in writes if a.info.eager_only_write or a.info.read_only]
@@ -53,7 +76,8 @@ class Taps:
             raise SpecError(fix(f"static_points={eager_reads}: these points are read on the eager backend only "
                                 "(vLLM's fused kernels never form them).",
                                 "drop them from static_points; read them with backend=\"eager\"."))
-        return cls(tuple(a for a in reads if a not in ALWAYS), writes, tuple(dict.fromkeys(clamps)))
+        return cls(tuple(a for a in reads if a not in ALWAYS), writes, tuple(dict.fromkeys(clamps)),
+                   tuple({s.key: s for s in splices}.values()))
 
     def buffers(self) -> tuple[Address, ...]:
         """The points that get a read buffer: the declared reads, the final norm's output (logits come from
@@ -82,4 +106,9 @@ class Taps:
 
     def to_config(self) -> dict:
         return {"reads": [str(a) for a in self.reads], "writes": [str(a) for a in self.writes],
-                "clamps": [str(a) for a in self.clamps]}
+                "clamps": [str(a) for a in self.clamps], "splices": [s.to_config() for s in self.splices]}
+
+    @classmethod
+    def from_config(cls, d: dict) -> "Taps":
+        return cls(*(tuple(map(Address.parse, d[k])) for k in ("reads", "writes", "clamps")),
+                   tuple(map(DeclaredSAE.from_config, d["splices"])))

@@ -131,11 +131,19 @@ def _compiled_clamp(op, address: Address, taps) -> BackendError | None:
             return BackendError(fix(f"Clamp at {address} of {len(set(op.features))} features: the compiled clamp "
                                     f"holds {CLAMP_SLOTS}.", f'clamp at most {CLAMP_SLOTS}, or use backend="vllm".'))
         return None
+    if isinstance(op, Splice) and taps is not None and any(s.key == op.sae.key for s in taps.splices):
+        return None
     declared = ", ".join(map(str, taps.clamps)) if taps is not None and taps.clamps else "none"
+    if isinstance(op, Splice):
+        return BackendError(fix(
+            f"Splice at {address} with an SAE this vllm-static engine was not loaded with: a compiled splice holds "
+            f"the weights of the SAEs declared for it at load (here {len(taps.splices) if taps else 0}).",
+            'declare it at load: load_model(..., backend="vllm-static", static_writes=[..., S.Splice(sae)]) (a '
+            'reload); or use backend="vllm" (per request) or "eager".'))
     return BackendError(fix(
-        f"{type(op).__name__} at {address} encodes with an SAE, which a compiled tap's per-row (mul, add) cannot "
-        f"express; this engine compiles clamps at [{declared}] (Splice nowhere).",
-        'declare the SAE at load for a Clamp: load_model(..., backend="vllm-static", static_writes=[..., sae]); or '
+        f"Clamp at {address} encodes with an SAE, which a compiled tap's per-row (mul, add) cannot express; this "
+        f"engine compiles clamps at [{declared}].",
+        'declare an SAE of that point at load: load_model(..., backend="vllm-static", static_writes=[..., sae]); or '
         'use backend="vllm" (per request) or "eager"; S.steer_feature(sae, i, scale) (an Add of a decoder row) '
         "compiles."))
 
@@ -271,13 +279,13 @@ def plan(model, spec: Spec, reads: Iterable[Address], *, n_prompts: int, longest
         _check_range(op, address, getattr(model, "dtype", None), problems)
         _check_positions(op.positions, address, n_prompts, longest, generating, problems)
         ops.setdefault(address, []).append(op)
-    if not capabilities.feature_edits:  # a compiled clamp runs after its point's (mul, add) tap
+    if not capabilities.feature_edits:  # a compiled clamp or splice runs after its point's (mul, add) tap
         for address, listed in ops.items():
-            if any(isinstance(o, Clamp) for o in listed[:-1]):
+            if any(isinstance(o, Clamp | Splice) for o in listed[:-1]):
                 problems.append(BackendError(fix(
-                    f"at {address} a Clamp comes before another op; vllm-static's compiled clamp runs after the "
-                    "point's other edits, one Clamp per call.", f"put one Clamp last among the ops at {address} "
-                    '(several features in one Clamp), or use backend="vllm".')))
+                    f"at {address} a Clamp or Splice comes before another op; vllm-static's compiled clamp and "
+                    "splice run after the point's other edits, one of them per call.", f"put one Clamp or Splice last "
+                    f'among the ops at {address} (several features in one Clamp), or use backend="vllm".')))
     resolved_reads = []
     for address in reads:
         sae = address.sae if isinstance(address, Features) else None

@@ -329,3 +329,49 @@ def test_the_compiled_clamp_tap_equals_the_eager_clamp_and_fails_only_a_call_pas
     assert many[0].call.error == "" and f"more than {CLAMP_SLOTS} distinct features" in many[1].call.error
     torch.testing.assert_close(tap(x)[:2], torch.cat([two[0].clamped(x[:1], tuple(range(40)), 1.0), x[1:2]]),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_the_compiled_splice_tap_equals_the_eager_splice_and_leaves_other_rows_bit_identical():
+    """static_splice.SpliceTap (the body vllm-static traces) on CPU, from the SAEs' declarations as the worker gets
+    them, against SAE.spliced (eager's, checked against HF hooks above): relu with b_dec subtracted, jumprelu, and
+    topk with input normalisation; error=False, error=True and a last-position splice in one step; rows of calls
+    that splice nothing are x itself, bit for bit."""
+    from types import SimpleNamespace
+
+    from interp_engine.backends.vllm.load import _declared_saes
+    from interp_engine.backends.vllm.static_splice import SpliceTap
+    from interp_engine.backends.vllm.worker import Active, WorkerCall
+    from interp_engine.edits import Step
+    from interp_engine.sae import KEPT
+
+    d, point = 16, S.Address("resid_post", 1)
+    saes = (random_sae(d, 1, 5, apply_b_dec_to_input=True),
+            random_sae(d, 1, 6, activation="jumprelu", threshold=torch.full((4 * d,), 0.1)),
+            random_sae(d, 1, 7, activation="topk", k=5, normalize="constant_norm_rescale"))
+    _, _, declared = _declared_saes([S.Splice(sae) for sae in saes], SimpleNamespace(n_layers=2, d_model=d))
+    ops = (S.Splice(saes[0]), S.Splice(saes[1], error=True), S.Splice(saes[2], positions=[-1]),
+           S.Splice(saes[2], error=True))
+    x = torch.randn(12, d, generator=torch.Generator().manual_seed(0)) * 3
+
+    def active(op, rows):
+        n = len(rows)
+        step = Step(torch.arange(n)[None], torch.tensor([[n - 1]]), torch.tensor([[n]]), torch.zeros(1, n, dtype=torch.long))
+        return Active(WorkerCall({point: (op,)}, frozenset()), torch.tensor(rows), step)
+
+    KEPT.update({sae.key: sae for sae in saes})  # as the worker keeps what the driver sent (sae_refs.py)
+    try:
+        calls = [active(op, rows) for op, rows in zip(ops, ([0, 1, 2], [3, 4], [5, 6, 7], [8, 9]))]
+        tap = SpliceTap(declared, 16, "cpu")
+        tap.fill(calls, point)
+        out = tap(x)
+        expected = torch.cat([saes[0].spliced(x[:3], False), saes[1].spliced(x[3:5], True), x[5:7],
+                              saes[2].spliced(x[7:8], False), saes[2].spliced(x[8:10], True), x[10:]])
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(out[:3], x[:3], atol=1e-2), "error=False must change the rows"
+        assert torch.equal(out[5:7], x[5:7]) and torch.equal(out[10:], x[10:]), "rows not spliced are x"
+        tap.reset(16)
+        assert torch.equal(tap(x), x), "rows of calls that splice nothing pass unchanged"
+        assert all(not c.call.error for c in calls)
+    finally:
+        for sae in saes:
+            KEPT.pop(sae.key, None)

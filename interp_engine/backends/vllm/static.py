@@ -7,7 +7,8 @@ ops only, on buffers allocated once, so it is traced into the graph and replayed
 - a read copies the activation into a persistent buffer, `buf[:n].copy_(x)`;
 - a write is `x * mul[:n] + add[:n]`, with every op of every request turned into per-row `mul`/`add` by
   `edits.affine` (identity rows for requests that do not edit there);
-- at a point declared with an SAE, a Clamp's features then move by their slots' buffers (`static_clamp.py`).
+- at a point declared with an SAE, a Clamp's features then move by their slots' buffers (`static_clamp.py`),
+  and rows that Splice take the declared SAE's reconstruction, computed from its buffers (`static_splice.py`).
 
 No Python runs inside the model per step. Around each forward (in the runner's `_model_forward`, outside the
 graph) the host fills the write buffers for this step's rows and, afterwards, copies out the rows of the calls
@@ -25,16 +26,18 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from interp_engine import sae
 from interp_engine.addresses import Address
 from interp_engine.backends.vllm import compat, wire
 from interp_engine.backends.vllm.patterns import record_patterns
 from interp_engine.backends.vllm.static_clamp import ClampTap
+from interp_engine.backends.vllm.static_splice import SpliceTap
 from interp_engine.backends.vllm.sites import FINAL, LAYER_SITES, LOGITS, MODEL_SITES, Site, module_of, register
 from interp_engine.backends.vllm.derived import expert_weights, head_results, record
 from interp_engine.backends.vllm.layouts import layout_of
 from interp_engine.backends.vllm.worker import InterpExtension, StepState, WorkerCall
 from interp_engine.edits import affine, failure
-from interp_engine.spec import Clamp
+from interp_engine.spec import Clamp, Splice
 from interp_engine.taps import DERIVED, PATTERNS, Taps
 
 CONFIG_KEY = wire.CONFIG_KEY
@@ -42,9 +45,10 @@ CONFIG_KEY = wire.CONFIG_KEY
 
 @functools.cache
 def _code_version() -> str:
-    """The tap code's hash: part of vLLM's compile-cache key, so a graph traced by older taps is never reused."""
+    """The tap code's hash: part of vLLM's compile-cache key, so a graph traced by older taps is never reused
+    (sae.py too: the compiled splice traces the SAE's own arithmetic)."""
     digest = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.glob("*.py")):
+    for path in (*sorted(Path(__file__).parent.glob("*.py")), Path(sae.__file__)):
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 
@@ -59,7 +63,7 @@ def worker_cls(cuda: bool) -> str:
 
 
 def _tap(read: Tensor | None, mul: Tensor | None, add: Tensor | None,
-         clamp: ClampTap | None = None) -> Callable[[Tensor], Tensor]:
+         clamp: ClampTap | None = None, splice: SpliceTap | None = None) -> Callable[[Tensor], Tensor]:
     """A tap body: tensor ops on persistent buffers, nothing else, so the compiler traces it in."""
     def tap(x: Tensor) -> Tensor:
         n = x.shape[0]
@@ -67,6 +71,8 @@ def _tap(read: Tensor | None, mul: Tensor | None, add: Tensor | None,
             x = x * mul[:n].view(x.shape) + add[:n].view(x.shape)
         if clamp is not None:
             x = clamp(x)
+        if splice is not None:
+            x = splice(x)
         if read is not None:
             read[:n].copy_(x.reshape(n, -1))
         return x
@@ -95,7 +101,9 @@ class StaticTaps:
         self.reads = {a: make(a, 0.0) for a in taps.buffers()}
         self.writes = {a: (make(a, 1.0), make(a, 0.0)) for a in sorted(taps.writes)}
         self.clamps = {a: ClampTap(rows, shards.local_width(a.point, self.d_model), device) for a in taps.clamps}
-        bodies = {a: _tap(self.reads.get(a), *self.writes.get(a, (None, None)), self.clamps.get(a))
+        self.splices = {a: SpliceTap(tuple(s for s in taps.splices if s.reads == a), rows, device)
+                        for a in dict.fromkeys(s.reads for s in taps.splices)}
+        bodies = {a: _tap(self.reads.get(a), *self.writes.get(a, (None, None)), self.clamps.get(a), self.splices.get(a))
                   for a in self.reads.keys() | self.writes}
         self.handles = []
         for i, layer in enumerate(layers):
@@ -121,8 +129,8 @@ class StaticTaps:
             for mul, add in dirty:
                 mul[:n].fill_(1.0)
                 add[:n].zero_()
-            for clamp in self.clamps.values():
-                clamp.reset(n)
+            for tap in (*self.clamps.values(), *self.splices.values()):
+                tap.reset(n)
         self._read(n)
         return out
 
@@ -137,8 +145,10 @@ class StaticTaps:
             full_add = torch.zeros_like(full_mul)
             if address in self.clamps:
                 self.clamps[address].fill(editing, address)
+            if address in self.splices:
+                self.splices[address].fill(editing, address)
             for active in editing:
-                ops = [op for op in active.call.ops[address] if not isinstance(op, Clamp)]  # the clamp tap's
+                ops = [op for op in active.call.ops[address] if not isinstance(op, Clamp | Splice)]  # the SAE taps'
                 if not ops:
                     continue
                 like = full_mul.new_zeros((1, len(active.rows), *full_mul.shape[1:]))
@@ -217,7 +227,7 @@ class StaticExtension(InterpExtension):
         config = compat.additional_config(self).get(CONFIG_KEY)
         if config is None:  # pragma: no cover - the driver always sends it
             raise RuntimeError(f"{type(self).__name__} needs additional_config[{CONFIG_KEY!r}] (its taps)")
-        taps = Taps(*(tuple(map(Address.parse, config[k])) for k in ("reads", "writes", "clamps")))
+        taps = Taps.from_config(config)
         runner = self.model_runner
         self._ie_static = StaticTaps(runner, taps, self._ie_calls())
         compat.wrap_model_forward(runner, self._ie_forward)
