@@ -61,8 +61,9 @@ def test_saelens_dataset_holds_captures_of_each_window_under_tl_names(eager, tmp
     half = harvest(model, [windows[0]], ["resid_post.1"], tmp_path / "half", spec=spec, format="saelens",
                    context_size=CONTEXT, dtype="float16", progress=False)
     assert half.features["blocks.1.hook_resid_post"].dtype == "float16"
-    assert torch.equal(half.with_format("torch")["blocks.1.hook_resid_post"][0],
-                       chunks[0]["resid_post.1"][0].to(torch.float16))
+    # Against a capture of the same batch: a window run alone may round differently from one run beside another.
+    solo = capture(model, [windows[0]], ["resid_post.1"], spec, progress=False)["resid_post.1"][0]
+    assert torch.equal(half.with_format("torch")["blocks.1.hook_resid_post"][0], solo.to(torch.float16).float())
     stored = on_disk.data.column("token_ids")  # the Arrow column itself: formatters widen ints to int64
     assert str(stored.type.value_type) == "int32" and stored.to_pylist() == windows
 
