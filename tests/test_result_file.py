@@ -68,3 +68,25 @@ def test_a_steps_rows_leave_the_device_in_one_copy_as_cpu_would_copy_them():
     for value, host in zip(values, hosted):
         assert host.device.type == "cpu" and host.dtype == value.dtype and torch.equal(host, value.cpu())
     assert hosted[3] is values[3]
+
+
+def test_the_result_files_of_drivers_that_no_longer_run_are_swept_and_live_ones_kept():
+    """A driver killed between a call and its read leaves its file in /dev/shm (memory until reboot): the next
+    engine's start deletes the files of pids that no longer run, and no other file."""
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)  # exited: no process has it now (reuse within the test is vanishingly unlikely)
+    orphan = wire.result_path("x").replace(f"-{os.getpid()}-", f"-{dead_pid}-")
+    mine, other = wire.result_path("kept-by-a-live-driver"), orphan.replace(".safetensors", ".txt")
+    for path in (orphan, mine, other):
+        with open(path, "wb") as f:
+            f.write(b"x")
+    try:
+        assert orphan in wire.sweep_orphans()
+        assert not os.path.exists(orphan) and os.path.exists(mine) and os.path.exists(other)
+    finally:
+        for path in (orphan, mine, other):
+            if os.path.exists(path):
+                os.unlink(path)

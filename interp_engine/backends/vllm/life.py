@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-from interp_engine.backends.vllm import compat, guard, sae_refs
+from interp_engine.backends.vllm import compat, guard, sae_refs, wire
 from interp_engine.backends.vllm.engine import remove_sockets
 from interp_engine.backends.vllm.procs import cpu_seconds, running, stopped
 from interp_engine.errors import BackendError, fix
@@ -41,6 +41,7 @@ class EngineLife:
 
     def __init__(self, llm, procs: list, name: str, sockets: str | None = None):
         self.llm, self.procs, self.name, self.sockets = llm, list(procs), name, sockets
+        wire.sweep_orphans()  # what killed drivers left in /dev/shm
         self.fault: str | None = None
         self.saes = sae_refs.Held()  # SAEs its workers hold
         self.send_lock = threading.RLock()  # one message at a time to the engine core, probes included

@@ -187,10 +187,34 @@ def decode(answer: bytes | str) -> dict[str, Tensor]:
     return flat
 
 
+def _results_folder() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
 def result_path(call: str) -> str:
     """Where a worker on this host may write a call's large results (the driver deletes it)."""
-    folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    return os.path.join(folder, f"{TAG}-{os.getpid()}-{call}.safetensors")
+    return os.path.join(_results_folder(), f"{TAG}-{os.getpid()}-{call}.safetensors")
+
+
+def sweep_orphans() -> list[str]:
+    """Delete the result files of drivers that no longer run (killed before they could delete them: /dev/shm is
+    memory until reboot); the paths removed."""
+    removed = []
+    for name in os.listdir(folder := _results_folder()):
+        parts = name.split("-")
+        if len(parts) < 3 or parts[0] != TAG or not name.endswith(".safetensors") or not parts[1].isdigit():
+            continue
+        try:
+            os.kill(int(parts[1]), 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(path := os.path.join(folder, name))
+                removed.append(path)
+            except FileNotFoundError:  # another driver swept it first
+                pass
+        except PermissionError:  # alive, another user's
+            pass
+    return removed
 
 
 def same_host(host: str) -> bool:
