@@ -341,6 +341,16 @@ def _generated(server) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("vllm:generation_tokens_total"))
 
 
+def _left_nothing(server, connection: http.client.HTTPConnection) -> None:
+    """Close the hung-up connection; within 30 s the workers hold no call and no hook."""
+    connection.close()
+    deadline = time.monotonic() + 30
+    while _held(server) != [{"calls": 0, "hooks": 0}] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _held(server) == [{"calls": 0, "hooks": 0}]
+    time.sleep(0.5)  # had the requests run on, they would have generated more by now
+
+
 def _post(server, body: dict) -> http.client.HTTPConnection:
     """A completion request on a raw connection of our own, to hang up on."""
     connection = http.client.HTTPConnection(*server[1].removeprefix("http://").removesuffix("/v1").split(":"),
@@ -359,12 +369,7 @@ def test_a_client_that_hangs_up_mid_stream_leaves_nothing_behind(server, api, ea
     response = connection.getresponse()
     assert response.status == 200 and response.readline().startswith(b"data: ")  # the first token has come
     connection.sock.shutdown(socket.SHUT_RDWR)  # hang up, far from the 200 tokens asked
-    connection.close()
-    deadline = time.monotonic() + 30
-    while _held(server) != [{"calls": 0, "hooks": 0}] and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _held(server) == [{"calls": 0, "hooks": 0}]
-    time.sleep(0.5)  # had the requests run on, they would have generated more by now
+    _left_nothing(server, connection)
     assert _generated(server) - generated < 2 * 100, "vLLM saw no hang-up: the test checked nothing"
     steered, _ = _complete(api, server, PROMPTS, spec)
     assert steered == _offline(eager, spec)
@@ -383,12 +388,7 @@ def test_a_client_that_hangs_up_before_its_response_leaves_nothing_behind(server
         time.sleep(0.05)
     assert _held(server)[0]["calls"] == 1, "the request never reached the worker: the test checked nothing"
     connection.sock.shutdown(socket.SHUT_RDWR)  # hang up while it generates
-    connection.close()
-    deadline = time.monotonic() + 30
-    while _held(server) != [{"calls": 0, "hooks": 0}] and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _held(server) == [{"calls": 0, "hooks": 0}]
-    time.sleep(0.5)  # had the requests run on, they would have generated more by now
+    _left_nothing(server, connection)
     assert _generated(server) - generated < asked, "vLLM saw no hang-up: the test checked nothing"
     steered, _ = _complete(api, server, PROMPTS, spec)
     assert steered == _offline(eager, spec)
