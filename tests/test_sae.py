@@ -375,3 +375,18 @@ def test_the_compiled_splice_tap_equals_the_eager_splice_and_leaves_other_rows_b
     finally:
         for sae in saes:
             KEPT.pop(sae.key, None)
+
+
+@pytest.mark.parametrize("raw", ["-1", "0", "abc", "1e9", "4GiB", " 8", "9" * 400 + "x"])
+def test_a_hostile_sae_bound_is_refused_with_the_fix(raw, monkeypatch):
+    """INTERP_ENGINE_SAE_BYTES, read at each call that uses an SAE: anything but whole positive bytes is refused
+    before anything is sent, naming the variable."""
+    from interp_engine.backends.vllm import sae_refs
+    from interp_engine.errors import SpecError
+
+    monkeypatch.setenv(sae_refs.BOUND_ENV, raw)
+    with pytest.raises(SpecError, match="INTERP_ENGINE_SAE_BYTES") as caught:
+        sae_refs.bound()
+    assert "Fix:" in str(caught.value)
+    monkeypatch.setenv(sae_refs.BOUND_ENV, str(3 << 20))
+    assert sae_refs.bound() == 3 << 20
