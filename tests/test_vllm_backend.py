@@ -243,6 +243,7 @@ def test_workers_evict_the_least_recently_used_sae_past_the_bound(served, eager,
     assert model.runtime.worker_saes() == [held]
 
 
+@pytest.mark.parametrize("served", ["llama"], indirect=True)  # plain vLLM: nothing of ours differs by family
 def test_vllm_generate_is_plain_vllm(served, tiny_path, eager):
     """vllm-generate installs nothing: greedy tokens equal eager's, capture and steering are refused. Last in
     the file: it shuts `served` down (one engine per process), and a later test would start it again."""
