@@ -67,6 +67,9 @@ def load(repo_id: str, source: str, config, selection: BackendSelection, hardwar
             f"{str(repo_id)!r} is a {config.model_type!r} model, whose residual stream interp_engine finds from its "
             f"structure ({', '.join(arch.points)}); backend=\"{backend}\" compiles taps only into the families "
             "with a table.", 'use backend="vllm" (any of those points per request) or backend="eager".'))
+    if capabilities.declares_taps and arch.vllm is not None and arch.vllm.static_refusal:
+        raise BackendError(fix(f"{str(repo_id)!r} is a {arch.family} model: {arch.vllm.static_refusal}.",
+                               'use backend="vllm" (its points per request) or backend="eager" (every point).'))
     dims = read_dims(config, arch)
     cfg = read_cfg(config, arch, dims)
     writes, clamps, splices = _declared_saes(static_writes, dims)

@@ -196,7 +196,8 @@ class StaticTaps:
 
     def _derive(self, address: Address, x: Tensor) -> Tensor:
         if address.point == "expert_weights":
-            return expert_weights(x, self.state.routing)
+            gate = self.layers[address.layer].get_submodule(self.layout.router)
+            return expert_weights(x, self.state.routing(gate))
         o_proj = self.layers[address.layer].get_submodule(self.layout.o_proj)
         return head_results(self.shards, x, o_proj)
 
