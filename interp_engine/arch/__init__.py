@@ -34,8 +34,8 @@ class VllmLayout:
     router: str | None = None  # the MoE gate, whose output's first element is router_logits
     kv_latent: str | None = None  # latent attention's KV norm, whose output is kv_latent
     # Points the family has on eager that its vLLM implementation never forms, and why (the refusal says it).
-    unserved: tuple[str, ...] = ()
-    unserved_why: str = ""
+    refused_points: tuple[str, ...] = ()
+    refused_why: str = ""
     static_refusal: str | None = None  # why vllm-static does not serve the family (None: it does)
 
 

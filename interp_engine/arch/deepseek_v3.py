@@ -39,8 +39,8 @@ VLLM = VllmLayout(
     layers="model.layers", final_norm="model.norm", attn_out="self_attn", mlp_out="mlp", mlp_down="mlp.down_proj",
     mid_norm="post_attention_layernorm", mlp_in="mlp.gate_up_proj", router="mlp.gate",
     kv_latent="self_attn.kv_a_layernorm",
-    unserved=("q", "k", "v", "z", "attn_scores", "attn_probs", "attn_result"),
-    unserved_why="vLLM's multi-head latent attention never forms per-head q, k and v (it absorbs kv_b_proj into "
+    refused_points=("q", "k", "v", "z", "attn_scores", "attn_probs", "attn_result"),
+    refused_why="vLLM's multi-head latent attention never forms per-head q, k and v (it absorbs kv_b_proj into "
                  "the query and output projections and attends over the latent and the shared rotary key), so they "
                  "and the patterns are not served there; nor is z (o_proj's input), not yet checked against eager",
     static_refusal="vllm-static has no compiled taps for DeepSeek-V3 yet (its per-layer point sets and the MLA "

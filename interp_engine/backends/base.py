@@ -51,7 +51,7 @@ class Capabilities:
     served: frozenset[str] | None = None  # per handle, the points its architecture has (None: every point)
     # Why the points outside `served` are not served on this backend though the family has them (DeepSeek's latent
     # attention on vLLM); None: the architecture lacks them.
-    unserved_why: str | None = None
+    refused_why: str | None = None
     eager_only_reads: bool = False  # points with eager_only_read are readable (expert_out)
 
     def serves(self, verb: str) -> bool:
