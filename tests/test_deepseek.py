@@ -206,11 +206,16 @@ def test_kimi_configs_load_as_deepseek_v3_without_running_their_code(shape, tiny
     assert not marker.exists()
 
 
-def test_vllm_static_refuses_it_with_the_reason_before_anything_loads(tiny_path):
+def test_vllm_static_refuses_declaring_what_mla_never_forms_or_a_layer_lacks_before_anything_loads(tiny_path):
     from interp_engine import load_model
 
-    with pytest.raises(InterpEngineError, match="(?s)no compiled taps for DeepSeek-V3.*Fix: use backend=\"vllm\""):
-        load_model(str(tiny_path(FAMILY)), backend="vllm-static")
+    with pytest.raises(InterpEngineError) as err:
+        load_model(str(tiny_path(FAMILY)), backend="vllm-static",
+                   static_points=["q.1", "attn_probs.2", "router_logits.0", "kv_latent.1", "mlp_act.0"])
+    text = str(err.value)
+    assert "q.1 cannot be declared" in text and "attn_probs.2 cannot be declared" in text, text
+    assert "never forms per-head q, k and v" in text and "layer 0 is a dense MLP" in text, text
+    assert "kv_latent.1 cannot" not in text and "mlp_act.0 cannot" not in text, text
 
 
 def test_vllm_cpus_drift_is_its_rotary_kernel_as_measured():

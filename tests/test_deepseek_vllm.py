@@ -37,11 +37,17 @@ def reference(latent_path):
     return model
 
 
-def _served(path, num_gpus: int):
+WRITES = ["resid_post.0", "kv_latent.1", "router_logits.2"]
+
+
+def _served(path, num_gpus: int, backend: str = "vllm", reference=None):
     for live in list(_LIVE.values()):  # one engine per process
         live.unload()
+    # vllm-static: every point vllm serves, declared (expert_out is eager only), and the writes the check makes.
+    static = dict(static_points=[a for a in reference.points() if a.point in SERVED],
+                  static_writes=WRITES) if backend == "vllm-static" else {}
     with no_child_survives():
-        model = load_model(str(path), backend="vllm", max_model_len=128, num_gpus=num_gpus)
+        model = load_model(str(path), backend=backend, max_model_len=128, num_gpus=num_gpus, **static)
         asyncio.run(model.warmup())
         yield model
         asyncio.run(model.shutdown())
@@ -86,7 +92,7 @@ def check_every_point_and_write_equals_eager(model, reference) -> None:
     assert not torch.equal(_chosen(ours["expert_weights.2"]), _chosen(plain["expert_weights.2"]))
     assert not torch.equal(_chosen(ours["expert_weights.1"]), _chosen(plain["expert_weights.1"])), \
         "the stream and latent writes upstream must move layer 1's routing too, or they check little"
-    print(f"deepseek_v3 on vllm (num_gpus={model.runtime.num_gpus}): max abs error {worst:.2e} over "
+    print(f"deepseek_v3 on {model.backend} (num_gpus={model.runtime.num_gpus}): max abs error {worst:.2e} over "
           f"{len(points)} points")
 
 
@@ -145,3 +151,12 @@ def test_cpu_engine_arguments_yield_to_the_users_own_but_keep_rotary_in_pytorch(
     kernel = cpu_engine_args("deepseek_v3", {"compilation_config": {"custom_ops": ["+rotary_embedding"]}})
     assert kernel["compilation_config"] == {"custom_ops": ["+rotary_embedding"]}
     assert cpu_engine_args("llama", {"compilation_config": {}}) == {}
+
+
+@requires("vllm")
+@requires("slow")
+@pytest.mark.parametrize("num_gpus", [1, 2])
+def test_vllm_static_equals_eager(latent_path, reference, num_gpus):
+    """The same checks on vllm-static, every served point declared (the taps compiled into vLLM's graph)."""
+    for model in _served(latent_path, num_gpus, "vllm-static", reference):
+        check_every_point_and_write_equals_eager(model, reference)

@@ -36,7 +36,6 @@ class VllmLayout:
     # Points the family has on eager that its vLLM implementation never forms, and why (the refusal says it).
     refused_points: tuple[str, ...] = ()
     refused_why: str = ""
-    static_refusal: str | None = None  # why vllm-static does not serve the family (None: it does)
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,8 +43,6 @@ VLLM = VllmLayout(
     refused_why="vLLM's multi-head latent attention never forms per-head q, k and v (it absorbs kv_b_proj into "
                  "the query and output projections and attends over the latent and the shared rotary key), so they "
                  "and the patterns are not served there; nor is z (o_proj's input), not yet checked against eager",
-    static_refusal="vllm-static has no compiled taps for DeepSeek-V3 yet (its per-layer point sets and the MLA "
-                   "module are untested under vLLM's compiler)",
 )
 
 # Llama's module paths (its dense layers' MLP too: layers.py leaves them out of the MoE layers), with latent

@@ -33,4 +33,5 @@ def shards_of(runner, layout) -> Shards:
     down = next((compat.input_width(layer.get_submodule(layout.mlp_down)) for layer in layers
                  if layout.mlp_down is not None and has_module(layer, layout.mlp_down)), 0)
     attention = layers[0].get_submodule(layout.attention) if layout.attention is not None else None
-    return Shards(config, attention, down, read_dims(config, table_for(config)).n_experts)
+    dims = read_dims(config, table_for(config))
+    return Shards(config, attention, down, dims.n_experts, dims.d_latent)

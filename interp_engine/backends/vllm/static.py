@@ -89,7 +89,8 @@ class StaticTaps:
         self.state = StepState(runner, calls)
         self.shards = shards = self.state.shards
         self.layers = layers = list(self.model.get_submodule(layout.layers))
-        self.attention = [layer.get_submodule(layout.attention) for layer in layers]
+        # None under latent attention (DeepSeek): no Attention module, and no patterns to recompute.
+        self.attention = [layer.get_submodule(layout.attention) if layout.attention else None for layer in layers]
         self.d_model = compat.hidden_size(runner)
 
         rows, dtype = compat.max_num_tokens(runner), compat.model_dtype(runner)
