@@ -48,9 +48,11 @@ def _served(path, num_gpus: int, backend: str = "vllm", reference=None):
                   static_writes=WRITES) if backend == "vllm-static" else {}
     with no_child_survives():
         model = load_model(str(path), backend=backend, max_model_len=128, num_gpus=num_gpus, **static)
-        asyncio.run(model.warmup())
-        yield model
-        asyncio.run(model.shutdown())
+        try:  # a failed check in a test that loops over this generator still ends the engine
+            asyncio.run(model.warmup())
+            yield model
+        finally:
+            asyncio.run(model.shutdown())
 
 
 @pytest.fixture(scope="module")
