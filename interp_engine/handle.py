@@ -111,7 +111,8 @@ class ModelHandle:
                                 key=lambda a: (list(POINTS).index(a.point), a.layer or 0)))
         out = []
         for info in POINTS.values():
-            if ((info.needs_eager_attention and not capabilities.patterns) or not self.arch.serves(info.name)
+            if ((info.needs_eager_attention and not capabilities.patterns)
+                    or (capabilities.served is not None and info.name not in capabilities.served)
                     or (info.eager_only_read and not capabilities.eager_only_reads)
                     or self.arch.lacks(info.name)):
                 continue

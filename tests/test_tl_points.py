@@ -121,5 +121,5 @@ def test_new_points_on_vllm_static_are_declared_taps_refused_undeclared_before_t
                      'static_points=[..., "attn_result.0"]', 'static_points=[..., "mlp_pre.1"]'):
         assert fragment in str(info.value), (fragment, str(info.value))
     assert model.runtime.llm is None, "refused before the engine started"
-    with pytest.raises(PointError, match=r"(?s)attn_result cannot be declared for .*mixture-of-experts.*Fix: read z"):
+    with pytest.raises(PointError, match=r"(?s)attn_result.0 cannot be declared for .*mixture-of-experts.*Fix: read z"):
         load_model(str(tiny_path("mixtral")), backend="vllm-static", static_points=["attn_result.0"])

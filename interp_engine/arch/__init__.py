@@ -32,6 +32,10 @@ class VllmLayout:
     # "first", the stream itself, alone or first of a tuple whose rest the next layer never reads.
     stream_out: str = "sum"
     router: str | None = None  # the MoE gate, whose output's first element is router_logits
+    kv_latent: str | None = None  # latent attention's KV norm, whose output is kv_latent
+    # Points the family has on eager that its vLLM implementation never forms, and why (the refusal says it).
+    refused_points: tuple[str, ...] = ()
+    refused_why: str = ""
 
 
 @dataclass(frozen=True, slots=True)

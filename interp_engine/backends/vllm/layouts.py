@@ -23,9 +23,15 @@ def layout_of(runner):
 def shards_of(runner, layout) -> Shards:
     from interp_engine.arch import read_dims, table_for
 
+    from interp_engine.arch.discover import has_module
+
     config = compat.hf_config(runner)
-    layer = compat.model(runner).get_submodule(layout.layers)[0]
-    if layout.attention is None:  # a discovered layout: residual-stream points only, none sharded
+    layers = compat.model(runner).get_submodule(layout.layers)
+    if layout.attention is None and layout.mlp_down is None:  # a discovered layout: the stream only, none sharded
         return Shards(config)
-    down = compat.input_width(layer.get_submodule(layout.mlp_down)) if layout.mlp_down is not None else 0
-    return Shards(config, layer.get_submodule(layout.attention), down, read_dims(config, table_for(config)).n_experts)
+    # The first layer with a dense MLP (DeepSeek's MoE layers have none); attention absent under latent attention.
+    down = next((compat.input_width(layer.get_submodule(layout.mlp_down)) for layer in layers
+                 if layout.mlp_down is not None and has_module(layer, layout.mlp_down)), 0)
+    attention = layers[0].get_submodule(layout.attention) if layout.attention is not None else None
+    dims = read_dims(config, table_for(config))
+    return Shards(config, attention, down, dims.n_experts, dims.d_latent)

@@ -10,6 +10,7 @@ import torch
 from interp_engine import quantization as Q
 from interp_engine import vllm_args
 from interp_engine.arch import arch_for, read_cfg, read_dims
+from interp_engine.arch.layers import lacking
 from interp_engine.backends.vllm.capabilities import for_handle
 from interp_engine.errors import BackendError, PointError, SpecError, fix
 from interp_engine.handle import ModelHandle
@@ -71,9 +72,12 @@ def load(repo_id: str, source: str, config, selection: BackendSelection, hardwar
     cfg = read_cfg(config, arch, dims)
     writes, clamps, splices = _declared_saes(static_writes, dims)
     taps = Taps.of(static_points, writes, dims.n_layers, clamps, splices) if capabilities.declares_taps else None
-    lacking = sorted({a.point for a in (*taps.reads, *taps.writes) if arch.lacks(a.point)} if taps else set())
-    if lacking:
-        raise PointError("; ".join(f"{p} cannot be declared for {str(repo_id)!r}: {arch.lacks(p)}" for p in lacking))
+    refused = arch.vllm.refused_points if arch.vllm is not None else ()
+    why = {str(a): arch.lacks(a.point) or lacking(a.point, a.layer, dims.layer_kinds)
+           or (f"{arch.vllm.refused_why}." if a.point in refused else None)
+           for a in (*taps.reads, *taps.writes)} if taps else {}
+    if any(why.values()):
+        raise PointError("; ".join(f"{a} cannot be declared for {str(repo_id)!r}: {w}" for a, w in why.items() if w))
     if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, int)
                                       or not 0 < max_model_len <= dims.max_len):
         raise SpecError(fix(f"max_model_len={max_model_len!r} is outside this model's 1..{dims.max_len} positions "

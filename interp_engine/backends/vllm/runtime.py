@@ -58,7 +58,7 @@ class VllmRuntime(TokenizerRuntime):
                  num_gpus: int, engine_kwargs: Mapping[str, Any], tokenizer, taps: Taps | None = None):
         self.source, self.name, self.backend, self.arch, self.dims = source, name, backend, arch, dims
         self.taps = taps  # vllm-static: what the engine is compiled with
-        self.capabilities = for_handle(backend, taps)
+        self.capabilities = for_handle(backend, taps, arch.vllm)
         self.dtype, self.num_gpus, self.engine_kwargs, self.tokenizer = dtype, num_gpus, dict(engine_kwargs), tokenizer
         self.llm, self._procs, self._sockets = None, [], None  # _sockets: see engine.SOCKETS
         self._tables: dict[str, dict] = {}  # spec fingerprint -> compiled table (plain data), driver side only

@@ -20,11 +20,12 @@ SHARDING = {"q": HEADS, "z": HEADS, "k": KV_HEADS, "v": KV_HEADS, "mlp_act": NEU
 
 
 class Shards:
-    def __init__(self, config, attention=None, mlp_local: int | None = None, n_experts: int = 0):
+    def __init__(self, config, attention=None, mlp_local: int | None = None, n_experts: int = 0, d_latent: int = 0):
         """`attention`: one layer's Attention module (local head counts); `mlp_local`: mlp_act features on this
         rank. Either may be omitted where the caller never shards that kind of point. `n_experts`: the width of
-        router_logits (replicated: every rank's gate computes every expert's logit)."""
-        self.widths = {"router_logits": n_experts}
+        router_logits (replicated: every rank's gate computes every expert's logit); `d_latent`: kv_latent's
+        (replicated: kv_a_proj_with_mqa and its norm are whole on every rank)."""
+        self.widths = {"router_logits": n_experts, "kv_latent": d_latent}
         self.size, self.rank = compat.tp_size(), compat.tp_rank()
         self.kv_total = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         heads, kv_heads, self.d_head = compat.attention_heads(attention) if attention is not None else (0, 0, 0)

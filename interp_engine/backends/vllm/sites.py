@@ -143,6 +143,8 @@ def _address(point: str, layer: int | None) -> Address | None:
 # The sites, in the order their hooks run within a layer. Module names are `VllmLayout` fields.
 SITES = (
     Site("", "pre", STREAM_IN, ("embed>resid_pre",)),
+    # Latent attention's KV norm (DeepSeek): its output is the latent the cache stores and every head reads.
+    Site("kv_latent", "post", OUTPUT, ("kv_latent",)),
     Site("attention", "pre", QKV, ("q", "k", "v")),
     Site("o_proj", "pre", INPUT, ("z",)),
     Site("attn_out", "post", OUTPUT, ("attn_out",)),

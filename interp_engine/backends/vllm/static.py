@@ -89,7 +89,8 @@ class StaticTaps:
         self.state = StepState(runner, calls)
         self.shards = shards = self.state.shards
         self.layers = layers = list(self.model.get_submodule(layout.layers))
-        self.attention = [layer.get_submodule(layout.attention) for layer in layers]
+        # None under latent attention (DeepSeek): no Attention module, and no patterns to recompute.
+        self.attention = [layer.get_submodule(layout.attention) if layout.attention else None for layer in layers]
         self.d_model = compat.hidden_size(runner)
 
         rows, dtype = compat.max_num_tokens(runner), compat.model_dtype(runner)
@@ -196,7 +197,8 @@ class StaticTaps:
 
     def _derive(self, address: Address, x: Tensor) -> Tensor:
         if address.point == "expert_weights":
-            return expert_weights(x, self.state.routing)
+            gate = self.layers[address.layer].get_submodule(self.layout.router)
+            return expert_weights(x, self.state.routing(gate))
         o_proj = self.layers[address.layer].get_submodule(self.layout.o_proj)
         return head_results(self.shards, x, o_proj)
 

@@ -361,7 +361,7 @@ def _hook(site: Site, root, layer: int | None, layout, state: StepState, needed:
                                                    or Address("attn_probs", layer) in needed)
     logits = site.points == ("final",) and LOGITS in needed
     weights = Address("expert_weights", layer) if site.points == ("router_logits",) else None
-    routing = weights in needed and state.routing
+    routing = weights in needed and state.routing is not None
     result = Address("attn_result", layer) if site.points == ("z",) else None
     results = result in needed
     if not any(chains) and not patterns and not logits and not routing and not results:
@@ -382,7 +382,7 @@ def _hook(site: Site, root, layer: int | None, layout, state: StepState, needed:
             if logits:  # all ranks compute (the vocab-parallel gather is a collective); rank 0's copy is kept
                 state.touch(LOGITS, model.compute_logits(edited), fresh=True)
             if routing:  # the weights vLLM's top-k takes from these (edited) logits, recomputed
-                state.touch(weights, expert_weights(edited, state.routing), fresh=True)
+                state.touch(weights, expert_weights(edited, state.routing(module)), fresh=True)
             if results:  # each head's share of what o_proj makes of this (edited) z
                 record(state, result, lambda: head_results(shards, edited, module))
             full[point] = edited
