@@ -8,7 +8,7 @@ any backend's worker (on vLLM sent once per engine and named by `SAE.key` in tab
 import hashlib
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -44,6 +44,7 @@ class SAE:
     normalize: str = "none"
     apply_b_dec_to_input: bool = False
     writes: Address | None = None
+    _key: str = field(default="", init=False, repr=False, compare=False)  # `key`, hashed once
 
     def __post_init__(self):
         problems = []
@@ -89,6 +90,9 @@ class SAE:
             raise SpecError(problems[0] if len(problems) == 1 else
                             f"{len(problems)} problems with this SAE:\n" +
                             "\n".join(f"{i}. {p}" for i, p in enumerate(problems, 1)))
+        # A compiled clamp names its SAEs by key before every step: hashed here once, not per step.
+        key = hashlib.sha256(json.dumps(self.encoded(lambda t: t.digest), sort_keys=True).encode()).hexdigest()[:32]
+        object.__setattr__(self, "_key", key)
 
     @property
     def d_in(self) -> int:
@@ -118,7 +122,7 @@ class SAE:
     @property
     def key(self) -> str:
         """The SAE by content (its tensors' digests and its settings): how workers and compiled taps name it."""
-        return hashlib.sha256(json.dumps(self.encoded(lambda t: t.digest), sort_keys=True).encode()).hexdigest()[:32]
+        return self._key
 
     def weights(self, device: torch.device) -> dict[str, Tensor]:
         """The tensors `encode`, `decode` and `spliced` compute with unless given `w` (a compiled tap's buffers)."""

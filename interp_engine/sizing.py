@@ -331,7 +331,7 @@ def _priced(points: Any) -> Any:
     """As the snippet writes them; the k-th distinct SAE in static_writes is `saes[k]` (its weights are no literal)."""
     if points in (None, "auto"):
         return points
-    saes = list(dict.fromkeys(p.key if isinstance(p, SAE) else p.sae.key for p in points if isinstance(p, SAE | Splice)))
+    saes = list(dict.fromkeys((p if isinstance(p, SAE) else p.sae).key for p in points if isinstance(p, SAE | Splice)))
     return [_Named(f"saes[{saes.index(p.key)}]") if isinstance(p, SAE) else
             _Named(f"S.Splice(saes[{saes.index(p.sae.key)}])") if isinstance(p, Splice) else str(Address.parse(p))
             for p in points]

@@ -177,6 +177,69 @@ def test_clamp_ablate_and_splice_equal_hand_written_hf_hooks(model, saes, hf_ref
     torch.testing.assert_close(same, plain, rtol=1e-4, atol=1e-4)
 
 
+def test_clamps_of_normalised_saes_and_of_z_and_mlp_act_equal_hand_written_hf_hooks(model, hf_reference):
+    """The arithmetic vllm-static now compiles, on eager against HF hooks written from SAELens's formulas: clamps
+    of a topk SAE with constant_norm_rescale and of a relu one with layer_norm (x's own scale undone on the
+    move), and Clamp and Splice of SAEs of z (o_proj's input) and mlp_act (down_proj's input)."""
+    import dataclasses
+
+    dims, hf, ids = model.dims, hf_reference("llama"), model.tokenize(PROMPTS[2])
+    z, mlp = dims.n_heads * dims.d_head_v, dims.d_mlp
+    at = lambda sae, reads: dataclasses.replace(sae, reads=S.Address.parse(reads))  # noqa: E731
+    saes = {"rescaled": random_sae(model.d_model, LAYER, 11, activation="topk", k=8, normalize="constant_norm_rescale"),
+            "layer_norm": random_sae(model.d_model, LAYER, 12, normalize="layer_norm"),
+            "z": at(random_sae(z, 0, 13, apply_b_dec_to_input=True), f"z.{LAYER}"),
+            "mlp": at(random_sae(mlp, 0, 14, activation="topk", k=8), f"mlp_act.{LAYER}")}
+
+    def hand(sae, h, features=None, to=0.0):
+        """SAELens's encode of h, then the clamp (error term kept) or, without features, the reconstruction."""
+        t = {k: getattr(sae, k).tensor for k in ("W_enc", "b_enc", "W_dec", "b_dec")}
+        if sae.normalize == "constant_norm_rescale":
+            scale = h.shape[-1] ** 0.5 / h.norm(dim=-1, keepdim=True)
+            x, undo = h * scale, lambda y: y / scale
+        elif sae.normalize == "layer_norm":
+            mu = h.mean(-1, keepdim=True)
+            std = (h - mu).std(-1, keepdim=True)
+            x, undo = (h - mu) / (std + 1e-5), lambda y: y * std
+        else:
+            x, undo = h, lambda y: y
+        pre = (x - t["b_dec"] if sae.apply_b_dec_to_input else x) @ t["W_enc"] + t["b_enc"]
+        if sae.activation == "topk":
+            top = pre.topk(sae.k, dim=-1)
+            f = torch.zeros_like(pre).scatter(-1, top.indices, top.values.relu())
+        else:
+            f = pre.relu()
+        if features is None:
+            y = f @ t["W_dec"] + t["b_dec"]
+            return y * std + mu if sae.normalize == "layer_norm" else undo(y)
+        return h + undo((to - f[..., features]) @ t["W_dec"][features])
+
+    def hooked(module, edit):
+        handle = module.register_forward_pre_hook(lambda m, args: (edit(args[0]), *args[1:]))
+        try:
+            with torch.no_grad():
+                return hf(torch.tensor([ids])).logits[0]
+        finally:
+            handle.remove()
+
+    layer = hf.model.layers[LAYER]
+    plain = _hooked_logits(hf, ids, lambda h: h)
+    cases = [(S.Clamp(saes["rescaled"], [2, 6], to=12.0),
+              lambda: _hooked_logits(hf, ids, lambda h: hand(saes["rescaled"], h, [2, 6], 12.0))),
+             (S.Clamp(saes["layer_norm"], [5], to=9.0),
+              lambda: _hooked_logits(hf, ids, lambda h: hand(saes["layer_norm"], h, [5], 9.0))),
+             (S.Clamp(saes["z"], [3, 11], to=20.0), lambda: hooked(layer.self_attn.o_proj,
+                                                                   lambda h: hand(saes["z"], h, [3, 11], 20.0))),
+             (S.Splice(saes["z"]), lambda: hooked(layer.self_attn.o_proj, lambda h: hand(saes["z"], h))),
+             (S.Clamp(saes["mlp"], [0, 5], to=15.0), lambda: hooked(layer.mlp.down_proj,
+                                                                  lambda h: hand(saes["mlp"], h, [0, 5], 15.0))),
+             (S.Splice(saes["mlp"]), lambda: hooked(layer.mlp.down_proj, lambda h: hand(saes["mlp"], h)))]
+    for op, reference in cases:
+        expected = reference()
+        assert not torch.allclose(expected, plain, atol=1e-3), f"{op}: the edit must change the logits"
+        torch.testing.assert_close(steer(model, [ids], op, progress=False)[0], expected, rtol=1e-4, atol=1e-4)
+
+
 def test_gradients_with_respect_to_features_equal_autograd_through_a_hand_written_splice(eager, saes,
                                                                                         hf_reference):
     """Reference: HF's forward with layer LAYER's output replaced by f @ W_dec + b_dec + (h - x_hat) held

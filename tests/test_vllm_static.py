@@ -62,7 +62,8 @@ def _other_saes(dims) -> tuple:
     jumprelu at attn_out.1 (bare: clamps only)."""
     return (_sae_at(dims.n_heads * dims.d_head_v, "z.0", 31),
             _sae_at(dims.d_mlp, "mlp_act.0", 32, activation="topk", k=6),
-            _sae_at(dims.d_model, "attn_out.1", 33, activation="jumprelu", threshold=torch.full((4 * dims.d_model,), 0.1)),
+            _sae_at(dims.d_model, "attn_out.1", 33, activation="jumprelu",
+                    threshold=torch.full((4 * dims.d_model,), 0.1)),
             _sae_at(dims.d_model, "resid_post.0", 34, normalize="layer_norm"))
 
 
@@ -421,7 +422,8 @@ def test_sae_reads_clamps_and_splices_off_the_residual_stream_equal_eager(static
     z = reference.dims.n_heads * reference.dims.d_head_v
     specs = [S.Clamp(others[0], [2, 9], to=10.0), S.Splice(others[0]), S.Clamp(others[1], [0, 3], to=8.0),
              S.Splice(others[1]), S.Clamp(others[2], [1], to=7.0, positions=[-1]), [],
-             S.Add("z.0", torch.linspace(-1, 1, z).reshape(reference.dims.n_heads, -1)) + S.Clamp(others[0], [4], to=5.0),
+             S.Add("z.0", torch.linspace(-1, 1, z).reshape(reference.dims.n_heads, -1))
+             + S.Clamp(others[0], [4], to=5.0),
              S.Clamp(others[2], [5, 6], to=9.0) + S.Clamp(others[1], [7], to=6.0)]
     _each_alone_equals_eager(model, reference, specs, [PROMPTS[i % 3] + " " + str(i) for i in range(len(specs))])
     for bad, error, match in ((S.Splice(others[2]), BackendError, "not loaded with"),

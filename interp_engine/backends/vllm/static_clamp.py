@@ -3,12 +3,13 @@
 
 A clamp sets features i to values t, error term kept: `x + sum_i (t_i - f_i(x)) W_dec[i]`; for relu and jumprelu
 SAEs without normalisation (`SAE.acts_per_feature`; the others clamp in their splice tap, static_splice.py) `f_i`
-needs only encoder column i, its bias and threshold. So the tap holds `CLAMP_SLOTS` slots, each one (SAE, feature) pair: its encoder column, bias (`b_enc - b_dec @ W_enc` where SAELens subtracts b_dec first),
-threshold (0 for relu: `relu(p) * (p > 0) == relu(p)`) and decoder row, filled on the host before each step from
-the clamps of that step's calls (their SAEs arrived with their tables), and per row a count and a target per
-slot. The traced body is tensor ops on those buffers only; rows of calls that clamp nothing have count 0, so x
-passes unchanged (`x + 0`). It runs after the `(mul, add)` write tap and before the read, which is why the
-driver accepts one Clamp per point per call, after that point's other ops (validate.py).
+needs only encoder column i, its bias and threshold. So the tap holds `CLAMP_SLOTS` slots, each one (SAE, feature)
+pair: its encoder column, bias (`b_enc - b_dec @ W_enc` where SAELens subtracts b_dec first), threshold (0 for
+relu: `relu(p) * (p > 0) == relu(p)`) and decoder row, filled on the host before each step from the clamps of
+that step's calls (their SAEs arrived with their tables), and per row a count and a target per slot. The traced
+body is tensor ops on those buffers only; rows of calls that clamp nothing have count 0, so x passes unchanged
+(`x + 0`). It runs after the `(mul, add)` write tap and before the read, which is why the driver accepts one
+Clamp per point per call, after that point's other ops (validate.py).
 """
 
 import torch
