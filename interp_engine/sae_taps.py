@@ -11,21 +11,22 @@
 Any point the engine can write, the SAE `d_in` values wide there. A compiled tap sees this rank's rows of its
 point; a sharded point (q, k, v, z: heads; mlp_act: neurons) is this rank's slice under tensor parallelism, and
 the graph does not gather it, so at num_gpus > 1 only points whole on every rank (d_model wide: the residual
-stream, attn_out, mlp_out, embed, final) take an SAE.
+stream, attn_out, mlp_out, embed, final) take an SAE (router_logits, replicated too, is not tested there).
 """
 
 import math
 from typing import Any
 
+from interp_engine.errors import SpecError, fix
 from interp_engine.sae import SAE, TENSORS
 from interp_engine.spec import Splice
-from interp_engine.errors import SpecError, fix
 from interp_engine.taps import CLAMP_SLOTS, DeclaredSAE
 from interp_engine.tensor_data import SPEC_DTYPES
 from interp_engine.validate import feature_shape
 
 _DTYPE_NAMES = {v: k for k, v in SPEC_DTYPES.items()}
-_WHOLE = ("batch", "pos", "d_model")  # replicated under tensor parallelism
+_WHOLE = ("batch", "pos", "d_model")  # replicated under tensor parallelism, and tested there
+_SHARDED = {"n_heads", "n_kv_heads", "d_mlp"}  # split across ranks (backends/vllm/shards.py)
 
 
 def declared_saes(static_writes: Any, dims, num_gpus: int = 1) -> tuple[Any, tuple, tuple[DeclaredSAE, ...]]:
@@ -67,9 +68,12 @@ def _refusals(sae: SAE, dims, num_gpus: int) -> list[str]:
     if sae.d_in != width:
         return [f"an SAE of {address} reads {sae.d_in} values per position, but {address} holds {width}"]
     if num_gpus > 1 and address.info.axes != _WHOLE:
-        return [f"an SAE of {address} at num_gpus={num_gpus}: each rank's compiled tap holds its own slice of "
-                f"{address.point} and the graph does not gather it, so the SAE would encode a slice (it needs the "
-                "whole point; backend=\"vllm\" gathers it, or num_gpus=1)"]
+        if set(address.info.axes) & _SHARDED:
+            return [f"an SAE of {address} at num_gpus={num_gpus}: each rank's compiled tap holds its own slice of "
+                    f"{address.point} and the graph does not gather it, so the SAE would encode a slice (it needs "
+                    "the whole point; backend=\"vllm\" gathers it, or num_gpus=1)"]
+        return [f"an SAE of {address} at num_gpus={num_gpus}: compiled SAE taps under tensor parallelism are "
+                "served at d_model-wide points only (backend=\"vllm\" serves it, or num_gpus=1)"]
     return []
 
 
