@@ -8,10 +8,10 @@
   (whether a feature is in a row's top k) or of a normalised one (the row's own input scale). That graph serves
   the SAE's Splices and its Clamps, and costs its encode and decode at every row of every step.
 
-Any point the engine can write, the SAE `d_in` values wide there. A compiled tap sees this rank's rows of its
-point; a sharded point (q, k, v, z: heads; mlp_act: neurons) is this rank's slice under tensor parallelism, and
-the graph does not gather it, so at num_gpus > 1 only points whole on every rank (d_model wide: the residual
-stream, attn_out, mlp_out, embed, final) take an SAE (router_logits, replicated too, is not tested there).
+Any point the engine can write, the SAE `d_in` values wide there. Under tensor parallelism a sharded point (q, k,
+v, z: heads; mlp_act: neurons) is each rank's slice, so its SAE taps gather it in the graph first and keep the
+rank's slice of the result (backends/vllm/static.py); the residual stream's points are whole on every rank. At
+num_gpus > 1 other points (router_logits) are refused: untested there.
 """
 
 import math
@@ -67,13 +67,10 @@ def _refusals(sae: SAE, dims, num_gpus: int) -> list[str]:
     width = math.prod(feature_shape(address, dims, 1))
     if sae.d_in != width:
         return [f"an SAE of {address} reads {sae.d_in} values per position, but {address} holds {width}"]
-    if num_gpus > 1 and address.info.axes != _WHOLE:
-        if set(address.info.axes) & _SHARDED:
-            return [f"an SAE of {address} at num_gpus={num_gpus}: each rank's compiled tap holds its own slice of "
-                    f"{address.point} and the graph does not gather it, so the SAE would encode a slice (it needs "
-                    "the whole point; backend=\"vllm\" gathers it, or num_gpus=1)"]
-        return [f"an SAE of {address} at num_gpus={num_gpus}: compiled SAE taps under tensor parallelism are "
-                "served at d_model-wide points only (backend=\"vllm\" serves it, or num_gpus=1)"]
+    if num_gpus > 1 and address.info.axes != _WHOLE and not set(address.info.axes) & _SHARDED:
+        return [f"an SAE of {address} at num_gpus={num_gpus}: compiled SAE taps under tensor parallelism are served "
+                "at the residual stream's points and the sharded ones (q, k, v, z, mlp_act) only, where tested "
+                "(backend=\"vllm\" serves it, or num_gpus=1)"]
     return []
 
 

@@ -273,7 +273,8 @@ def test_saes_in_static_writes_price_the_buffers_their_taps_allocate():
     """SAEs in static_writes (a bare relu SAE: clamp slots; a bare topk one and an S.Splice: the whole SAE) are
     priced at the bytes of the very tap objects a worker builds (static_clamp.ClampTap, static_splice.SpliceTap,
     here on CPU at one step's rows) plus the largest dense encode of a step; the snippet names them. At
-    num_gpus=2 an SAE of a sharded point is refused, as load_model refuses it."""
+    num_gpus=2 an SAE of a sharded point is served (its tap gathers it) and one of router_logits is refused, as
+    load_model refuses it."""
     from interp_engine import spec as S
     from interp_engine.backends.vllm.static_clamp import ClampTap
     from interp_engine.backends.vllm.static_splice import SpliceTap
@@ -299,9 +300,12 @@ def test_saes_in_static_writes_price_the_buffers_their_taps_allocate():
     assert priced.capture_bytes - plain.capture_bytes == priced.sae_bytes and "SAE taps" in priced.report()
     assert 'static_writes=["resid_post.1", saes[0], saes[1], S.Splice(saes[2])])' in priced.snippet
     assert any("saes[k]" in note for note in priced.notes)
-    assert estimate_from_config(config, backend="vllm-static", static_writes=[relu], num_gpus=2).sae_bytes > 0
-    with pytest.raises(SpecError, match=r"(?s)mlp_act.0 at num_gpus=2.*does not gather.*Fix:"):
-        estimate_from_config(config, backend="vllm-static", static_writes=writes, num_gpus=2)
+    assert estimate_from_config(config, backend="vllm-static", static_writes=writes, num_gpus=2).sae_bytes > 0
+    moe = {"model_type": "mixtral", **_BASE["mixtral"], "vocab_size": 512}  # 4 experts
+    router = dataclasses.replace(random_sae(4, 0, 4), reads=Address.parse("router_logits.1"))
+    assert estimate_from_config(moe, backend="vllm-static", static_writes=[router]).sae_bytes > 0
+    with pytest.raises(SpecError, match=r"(?s)router_logits.1 at num_gpus=2.*served at the residual stream.*Fix:"):
+        estimate_from_config(moe, backend="vllm-static", static_writes=[router], num_gpus=2)
 
 
 def test_kv_heads_are_replicated_when_gpus_outnumber_them():
