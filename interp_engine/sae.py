@@ -8,7 +8,7 @@ any backend's worker (on vLLM sent once per engine and named by `SAE.key` in tab
 import hashlib
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -44,6 +44,7 @@ class SAE:
     normalize: str = "none"
     apply_b_dec_to_input: bool = False
     writes: Address | None = None
+    _key: str = field(default="", init=False, repr=False, compare=False)  # `key`, hashed once
 
     def __post_init__(self):
         problems = []
@@ -89,6 +90,9 @@ class SAE:
             raise SpecError(problems[0] if len(problems) == 1 else
                             f"{len(problems)} problems with this SAE:\n" +
                             "\n".join(f"{i}. {p}" for i, p in enumerate(problems, 1)))
+        # A compiled clamp names its SAEs by key before every step: hashed here once, not per step.
+        key = hashlib.sha256(json.dumps(self.encoded(lambda t: t.digest), sort_keys=True).encode()).hexdigest()[:32]
+        object.__setattr__(self, "_key", key)
 
     @property
     def d_in(self) -> int:
@@ -118,7 +122,7 @@ class SAE:
     @property
     def key(self) -> str:
         """The SAE by content (its tensors' digests and its settings): how workers and compiled taps name it."""
-        return hashlib.sha256(json.dumps(self.encoded(lambda t: t.digest), sort_keys=True).encode()).hexdigest()[:32]
+        return self._key
 
     def weights(self, device: torch.device) -> dict[str, Tensor]:
         """The tensors `encode`, `decode` and `spliced` compute with unless given `w` (a compiled tap's buffers)."""
@@ -142,12 +146,24 @@ class SAE:
             f = self._act(self._pre(normed, w), w).index_select(-1, idx)
         else:  # relu and jumprelu act per feature: only the clamped columns are encoded
             f = self._act(self._pre(normed, w, idx), w, idx)
-        delta = (value - f) @ w["W_dec"].index_select(0, idx)
-        if self.normalize == "constant_norm_rescale":
-            delta = delta / stats[0]
-        elif self.normalize == "layer_norm":
-            delta = delta * stats[1]
-        return x + delta.to(x.dtype)
+        return self._moved(x, (value - f) @ w["W_dec"].index_select(0, idx), stats)
+
+    def clamped_per_row(self, x: Tensor, idx: Tensor, count: Tensor, target: Tensor,
+                        w: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """`clamped` as a compiled tap runs it, every row at once from one whole encode, and the reconstruction
+        from that same encode (`spliced` without error). Row r moves by `sum_j count[r, j] * (target[r, j] -
+        f_idx[j](x_r)) * W_dec[idx[j]]`: x (n, d_in), idx (slots,), count and target (n, slots)."""
+        normed, stats = self._norm_in(x)
+        f = self._act(self._pre(normed, w), w)
+        x_hat = self._norm_out(f @ w["W_dec"] + w["b_dec"], stats).to(x.dtype)
+        delta = (count * (target - f.index_select(-1, idx))) @ w["W_dec"].index_select(0, idx)
+        return self._moved(x, delta, stats), x_hat
+
+    @property
+    def acts_per_feature(self) -> bool:
+        """Whether one feature's activation needs only its own encoder column: relu and jumprelu, unnormalised
+        (topk asks whether it is in the row's top k; a normalisation, the row's own scale)."""
+        return self.activation != "topk" and self.normalize == "none"
 
     def spliced(self, x: Tensor, error: bool, w: Mapping[str, Tensor] | None = None) -> Tensor:
         """`x` (..., d_in) replaced by its reconstruction; with `error`, plus `x - x_hat` held constant."""
@@ -165,6 +181,14 @@ class SAE:
             std = (x - mu).std(-1, keepdim=True)
             return (x - mu) / (std + 1e-5), (mu, std)
         return x, ()
+
+    def _moved(self, x: Tensor, delta: Tensor, stats: tuple) -> Tensor:
+        """x plus a move `delta` made in the SAE's normalised space."""
+        if self.normalize == "constant_norm_rescale":
+            delta = delta / stats[0]
+        elif self.normalize == "layer_norm":
+            delta = delta * stats[1]
+        return x + delta.to(x.dtype)
 
     def _norm_out(self, y: Tensor, stats: tuple) -> Tensor:
         if self.normalize == "constant_norm_rescale":

@@ -17,7 +17,8 @@ Nothing is downloaded and no weights are read. Per GPU it adds:
 - captures (vllm-static only): the read buffers its taps allocate (`Taps.buffers`: the declared points, the final
   norm's output, and q and k for an attention pattern), `tokens_per_step(gpu)` rows x this rank's width x the
   model dtype; and for each declared write (`static_writes`) two buffers of the same rows and width, the `mul`
-  and `add` its taps apply (`backends/vllm/static.py`).
+  and `add` its taps apply (`backends/vllm/static.py`); for the SAEs in static_writes, their taps' buffers and
+  one step's largest dense encode (`sae_taps.tap_bytes`).
 - overhead: a fixed `OVERHEAD_BYTES` per GPU.
 
 Over num_gpus (tensor parallel on vLLM, device_map="auto" on eager) weights and KV divide by num_gpus, except the
@@ -52,6 +53,9 @@ from interp_engine.sizing_shapes import (ParamCount, count_params, kv_bytes_per_
                                          shipped_scheme, state_bytes_per_sequence, to_config)
 from interp_engine.sizing_tables import (GPUS_MIB, LAYOUTS, OVERHEAD_BYTES, SCHEMES, WRAPPERS, GiB, Layout, Linear,
                                          Norm, Scheme, tokens_per_step)
+from interp_engine.sae import SAE
+from interp_engine.sae_taps import declared_saes, tap_bytes
+from interp_engine.spec import Splice
 from interp_engine.taps import Taps, declare
 
 __all__ = ["GPUS_MIB", "KV_CACHE_DTYPES", "LAYOUTS", "OVERHEAD_BYTES", "SCHEMES", "GiB", "Layout", "Linear", "Norm",
@@ -132,6 +136,7 @@ class SizeEstimate:
     kv_latent: bool = False  # MLA: one latent per token and layer, held whole by every rank
     state_bytes_per_sequence: int = 0  # linear-attention layers' fixed state of one sequence, all ranks together
     state_bytes_per_gpu: int = 0  # x concurrency, this rank's heads
+    sae_bytes: int = 0  # per GPU, part of capture_bytes: the SAEs declared in static_writes (sae_taps.tap_bytes)
 
     def report(self) -> str:
         def gib(n: int) -> str:
@@ -143,6 +148,7 @@ class SizeEstimate:
         taps = ([f"{len(self.static_points)} points"] * bool(self.static_points)
                 + [f"{len(self.static_writes)} writes x 2 buffers (mul, add)"] * bool(self.static_writes))
         points = f"{' + '.join(taps)} x {tokens_per_step(self.gpu):,} tokens/step" if taps else "no static points"
+        points += f"; SAE taps {gib(self.sae_bytes)}" if self.sae_bytes else ""
         return "\n".join([
             f"{self.repo_id}: {self.model_type}, {_human(self.params)} parameters"
             + (f" ({_human(self.active_params)} active per token)" if self.active_params != self.params else "")
@@ -200,7 +206,7 @@ def estimate_from_config(config: Any, *, repo_id: str | None = None, backend: st
     if length > d.max_len:
         raise SpecError(fix(f"max_model_len={length} is above this model's limit of {d.max_len} tokens "
                             "(max_position_embeddings in config.json).", f"pass max_model_len={d.max_len} or less."))
-    points, writes = _taps(static_points, static_writes, backend, d.n_layers)
+    points, writes, sae_taps = _taps(static_points, static_writes, backend, d, num_gpus)
     vllm = capabilities(backend).vllm_engine
     count, size = count_params(config), dtype_.itemsize
     weights, replicated = count.bytes(size, scheme), (count.norms + count.replicated_linear) * size
@@ -218,6 +224,8 @@ def estimate_from_config(config: Any, *, repo_id: str | None = None, backend: st
     buffers = (*(Taps(points, ()).buffers() if points or writes else ()), *writes, *writes)
     captures = size * tokens_per_step(gpu) * sum(math.prod(local[a] for a in p.info.axes if a in local)
                                                  for p in buffers)
+    sae_bytes = tap_bytes(*sae_taps, d, tokens_per_step(gpu))
+    captures += sae_bytes
     capacity = GPUS_MIB[gpu] * 2**20
     state_per_gpu = -(-state // num_gpus) * concurrency
     budget = int(capacity * gpu_memory_utilization)
@@ -236,7 +244,9 @@ def estimate_from_config(config: Any, *, repo_id: str | None = None, backend: st
                  f"bf16 scale per {packed.blocks[0][0]}), priced as shipped; the rest at {name}"]
                 if packed is not None and scheme is packed else [])
              + [f"{wrapper} wraps a {config.model_type} text model: that is priced, its vision tower is not"]
-             * (wrapper in WRAPPERS))
+             * (wrapper in WRAPPERS)
+             + ["the snippet writes the k-th SAE of static_writes as saes[k]: bind them (load_sae) first"]
+             * any(sae_taps))
     priced = {"dtype": None if dtype == "auto" else str(dtype).removeprefix("torch."), "quantization": quantization,
               "kv_cache_dtype": None if kv_cache_dtype == "auto" else kv_cache_dtype,
               "num_gpus": None if num_gpus == 1 else num_gpus,
@@ -255,7 +265,7 @@ def estimate_from_config(config: Any, *, repo_id: str | None = None, backend: st
         max_len_that_fits=min(max(budget - fixed, 0) // max(kv_token_per_gpu * concurrency, 1), d.max_len),
         snippet=snippet(repo_id, backend=backend, **priced), notes=tuple(notes), static_writes=tuple(map(str, writes)),
         active_params=count.active, expert_bytes_per_gpu=-(-experts // num_gpus), kv_latent=latent,
-        state_bytes_per_sequence=state, state_bytes_per_gpu=state_per_gpu)
+        state_bytes_per_sequence=state, state_bytes_per_gpu=state_per_gpu, sae_bytes=sae_bytes)
 
 
 def snippet(repo_id: str, *, backend: str, **priced: Any) -> str:
@@ -303,20 +313,38 @@ def _gpu_name(gpu: Any) -> str:
                         f"did you mean {' or '.join(map(repr, near))}? Known GPUs: {', '.join(GPUS_MIB)}."))
 
 
-def _taps(points: Any, writes: Any, backend: str, n_layers: int) -> tuple[tuple[Address, ...], tuple[Address, ...]]:
-    """(declared reads, declared writes), refused as load_model refuses them."""
+def _taps(points: Any, writes: Any, backend: str, d: Dims, num_gpus: int) -> tuple[tuple, tuple, tuple]:
+    """(declared reads, declared writes, (clamp points, SAEs compiled whole)), refused as load_model refuses them."""
     for keyword, value in (("static_points", points), ("static_writes", writes)):
         if value is not None and not capabilities(backend).declares_taps:
             raise BackendError(fix(f"{keyword}= declares the taps of vllm-static; backend={backend!r} has none.",
                                    f'use backend="vllm-static", or drop {keyword}=.'))
-    reads = declare(points, n_layers, keyword="static_points")
+    reads = declare(points, d.n_layers, keyword="static_points")
     if writes is None:
-        return reads, ()
-    return reads, Taps.of(None, writes, n_layers).writes  # refuses an eager-only write, as load_model does
+        return reads, (), ((), ())
+    writes, clamps, splices = declared_saes(writes, d, num_gpus)
+    # Refuses an eager-only write, as load_model does.
+    return reads, Taps.of(None, writes, d.n_layers, clamps, splices).writes, (clamps, splices)
 
 
 def _priced(points: Any) -> Any:
-    return points if points in (None, "auto") else [str(Address.parse(p)) for p in points]
+    """As the snippet writes them; the k-th distinct SAE in static_writes is `saes[k]` (its weights are no literal)."""
+    if points in (None, "auto"):
+        return points
+    saes = list(dict.fromkeys((p if isinstance(p, SAE) else p.sae).key for p in points if isinstance(p, SAE | Splice)))
+    return [_Named(f"saes[{saes.index(p.key)}]") if isinstance(p, SAE) else
+            _Named(f"S.Splice(saes[{saes.index(p.sae.key)}])") if isinstance(p, Splice) else str(Address.parse(p))
+            for p in points]
+
+
+@dataclass(frozen=True, slots=True)
+class _Named:
+    """A name in the snippet, written as is (not a quoted string)."""
+
+    name: str
+
+    def __repr__(self) -> str:
+        return self.name
 
 
 def _human(n: int) -> str:

@@ -1,6 +1,7 @@
 """The taps a `vllm-static` engine is compiled with: which points it reads, which it writes, where an SAE
 feature clamp is compiled in (`clamps`: declared with an SAE in static_writes; backends/vllm/static_clamp.py) and
-which SAEs a Splice may use (`splices`: declared as S.Splice(sae); backends/vllm/static_splice.py).
+which SAEs' whole encode is (`splices`: declared as S.Splice(sae), or bare when topk or normalised; their Splices
+and Clamps, backends/vllm/static_splice.py). `sae_taps.py` reads the SAEs out of static_writes.
 
 They are fixed at load (they are part of the compiled graph), so every request is checked against them before
 it reaches the engine. Plain data: no torch, no vLLM.
@@ -60,7 +61,7 @@ class Taps:
     reads: tuple[Address, ...]
     writes: tuple[Address, ...]
     clamps: tuple[Address, ...] = ()  # also in writes
-    splices: tuple[DeclaredSAE, ...] = ()  # each at one of clamps
+    splices: tuple[DeclaredSAE, ...] = ()  # each at one of clamps: the SAEs whose whole encode is compiled in
 
     @classmethod
     def of(cls, static_points: Any, static_writes: Any, n_layers: int, clamps: tuple[Address, ...] = (),

@@ -131,10 +131,13 @@ def _check_value(op, name: str, shape: tuple[int, ...], address: Address, feat: 
 def _compiled_clamp(op, address: Address, taps) -> BackendError | None:
     """Why vllm-static cannot run this Clamp or Splice inside its compiled graph (None: it can)."""
     if isinstance(op, Clamp) and taps is not None and address in taps.clamps:
-        if op.sae.activation == "topk" or op.sae.normalize != "none":
-            return BackendError(fix(f"Clamp at {address} with a {op.sae.activation} SAE (normalize={op.sae.normalize}): "
-                                    "the compiled clamp encodes only the clamped features, unnormalised.",
-                                    'use a relu or jumprelu SAE, or backend="vllm".'))
+        if not op.sae.acts_per_feature and not any(s.key == op.sae.key for s in taps.splices):
+            return BackendError(fix(
+                f"Clamp at {address} with a {op.sae.activation} SAE (normalize={op.sae.normalize}) this engine was not "
+                "loaded with: its features need the SAE's whole encode (a row's top k, its input scale), which the "
+                "graph holds only for the SAEs declared at load.",
+                'declare it: load_model(..., backend="vllm-static", static_writes=[..., sae]) (a reload; its encode '
+                'then runs at every row of every step, as for S.Splice(sae)); or use backend="vllm".'))
         if len(set(op.features)) > CLAMP_SLOTS:
             return BackendError(fix(f"Clamp at {address} of {len(set(op.features))} features: the compiled clamp "
                                     f"holds {CLAMP_SLOTS}.", f'clamp at most {CLAMP_SLOTS}, or use backend="vllm".'))

@@ -177,6 +177,69 @@ def test_clamp_ablate_and_splice_equal_hand_written_hf_hooks(model, saes, hf_ref
     torch.testing.assert_close(same, plain, rtol=1e-4, atol=1e-4)
 
 
+def test_clamps_of_normalised_saes_and_of_z_and_mlp_act_equal_hand_written_hf_hooks(model, hf_reference):
+    """The arithmetic vllm-static now compiles, on eager against HF hooks written from SAELens's formulas: clamps
+    of a topk SAE with constant_norm_rescale and of a relu one with layer_norm (x's own scale undone on the
+    move), and Clamp and Splice of SAEs of z (o_proj's input) and mlp_act (down_proj's input)."""
+    import dataclasses
+
+    dims, hf, ids = model.dims, hf_reference("llama"), model.tokenize(PROMPTS[2])
+    z, mlp = dims.n_heads * dims.d_head_v, dims.d_mlp
+    at = lambda sae, reads: dataclasses.replace(sae, reads=S.Address.parse(reads))  # noqa: E731
+    saes = {"rescaled": random_sae(model.d_model, LAYER, 11, activation="topk", k=8, normalize="constant_norm_rescale"),
+            "layer_norm": random_sae(model.d_model, LAYER, 12, normalize="layer_norm"),
+            "z": at(random_sae(z, 0, 13, apply_b_dec_to_input=True), f"z.{LAYER}"),
+            "mlp": at(random_sae(mlp, 0, 14, activation="topk", k=8), f"mlp_act.{LAYER}")}
+
+    def hand(sae, h, features=None, to=0.0):
+        """SAELens's encode of h, then the clamp (error term kept) or, without features, the reconstruction."""
+        t = {k: getattr(sae, k).tensor for k in ("W_enc", "b_enc", "W_dec", "b_dec")}
+        if sae.normalize == "constant_norm_rescale":
+            scale = h.shape[-1] ** 0.5 / h.norm(dim=-1, keepdim=True)
+            x, undo = h * scale, lambda y: y / scale
+        elif sae.normalize == "layer_norm":
+            mu = h.mean(-1, keepdim=True)
+            std = (h - mu).std(-1, keepdim=True)
+            x, undo = (h - mu) / (std + 1e-5), lambda y: y * std
+        else:
+            x, undo = h, lambda y: y
+        pre = (x - t["b_dec"] if sae.apply_b_dec_to_input else x) @ t["W_enc"] + t["b_enc"]
+        if sae.activation == "topk":
+            top = pre.topk(sae.k, dim=-1)
+            f = torch.zeros_like(pre).scatter(-1, top.indices, top.values.relu())
+        else:
+            f = pre.relu()
+        if features is None:
+            y = f @ t["W_dec"] + t["b_dec"]
+            return y * std + mu if sae.normalize == "layer_norm" else undo(y)
+        return h + undo((to - f[..., features]) @ t["W_dec"][features])
+
+    def hooked(module, edit):
+        handle = module.register_forward_pre_hook(lambda m, args: (edit(args[0]), *args[1:]))
+        try:
+            with torch.no_grad():
+                return hf(torch.tensor([ids])).logits[0]
+        finally:
+            handle.remove()
+
+    layer = hf.model.layers[LAYER]
+    plain = _hooked_logits(hf, ids, lambda h: h)
+    cases = [(S.Clamp(saes["rescaled"], [2, 6], to=12.0),
+              lambda: _hooked_logits(hf, ids, lambda h: hand(saes["rescaled"], h, [2, 6], 12.0))),
+             (S.Clamp(saes["layer_norm"], [5], to=9.0),
+              lambda: _hooked_logits(hf, ids, lambda h: hand(saes["layer_norm"], h, [5], 9.0))),
+             (S.Clamp(saes["z"], [3, 11], to=20.0), lambda: hooked(layer.self_attn.o_proj,
+                                                                   lambda h: hand(saes["z"], h, [3, 11], 20.0))),
+             (S.Splice(saes["z"]), lambda: hooked(layer.self_attn.o_proj, lambda h: hand(saes["z"], h))),
+             (S.Clamp(saes["mlp"], [0, 5], to=15.0), lambda: hooked(layer.mlp.down_proj,
+                                                                  lambda h: hand(saes["mlp"], h, [0, 5], 15.0))),
+             (S.Splice(saes["mlp"]), lambda: hooked(layer.mlp.down_proj, lambda h: hand(saes["mlp"], h)))]
+    for op, reference in cases:
+        expected = reference()
+        assert not torch.allclose(expected, plain, atol=1e-3), f"{op}: the edit must change the logits"
+        torch.testing.assert_close(steer(model, [ids], op, progress=False)[0], expected, rtol=1e-4, atol=1e-4)
+
+
 def test_gradients_with_respect_to_features_equal_autograd_through_a_hand_written_splice(eager, saes,
                                                                                         hf_reference):
     """Reference: HF's forward with layer LAYER's output replaced by f @ W_dec + b_dec + (h - x_hat) held
@@ -288,13 +351,30 @@ def test_damaged_sae_files_are_refused_with_the_fix(tmp_path):
         assert "Fix:" in str(info.value), path
 
 
+def _active(point, op, rows):
+    """A worker's call with one op at `point`, on `rows` of a one-prompt step of len(rows) positions."""
+    from interp_engine.backends.vllm.worker import Active, WorkerCall
+    from interp_engine.edits import Step
+
+    n = len(rows)
+    step = Step(torch.arange(n)[None], torch.tensor([[n - 1]]), torch.tensor([[n]]), torch.zeros(1, n, dtype=torch.long))
+    return Active(WorkerCall({point: (op,)}, frozenset()), torch.tensor(rows), step)
+
+
+def _dims(d: int):
+    """The dims sae_taps checks an SAE against: two layers of a d-wide residual stream."""
+    from types import SimpleNamespace
+
+    dims = SimpleNamespace(n_layers=2, d_model=d, layer_sizes=())
+    dims.at = lambda layer: dims
+    return dims
+
+
 def test_the_compiled_clamp_tap_equals_the_eager_clamp_and_fails_only_a_call_past_its_slots():
     """static_clamp.ClampTap (the body vllm-static traces) on CPU, against SAE.clamped (eager's, checked against
     HF hooks above): relu with b_dec subtracted, jumprelu and a last-position clamp, three calls in one step;
     then a call whose features find no free slot fails alone."""
     from interp_engine.backends.vllm.static_clamp import ClampTap
-    from interp_engine.backends.vllm.worker import Active, WorkerCall
-    from interp_engine.edits import Step
     from interp_engine.taps import CLAMP_SLOTS
 
     d, point = 16, S.Address("resid_post", 1)
@@ -305,9 +385,7 @@ def test_the_compiled_clamp_tap_equals_the_eager_clamp_and_fails_only_a_call_pas
     x = torch.randn(9, d, generator=torch.Generator().manual_seed(0))
 
     def active(op, rows):
-        n = len(rows)
-        step = Step(torch.arange(n)[None], torch.tensor([[n - 1]]), torch.tensor([[n]]), torch.zeros(1, n, dtype=torch.long))
-        return Active(WorkerCall({point: (op,)}, frozenset()), torch.tensor(rows), step)
+        return _active(point, op, rows)
 
     calls = [active(op, rows) for op, rows in zip(ops, ([0, 1, 2], [3, 4, 5, 6], [7, 8]))]
     tap = ClampTap(16, d, "cpu")
@@ -336,27 +414,21 @@ def test_the_compiled_splice_tap_equals_the_eager_splice_and_leaves_other_rows_b
     them, against SAE.spliced (eager's, checked against HF hooks above): relu with b_dec subtracted, jumprelu, and
     topk with input normalisation; error=False, error=True and a last-position splice in one step; rows of calls
     that splice nothing are x itself, bit for bit."""
-    from types import SimpleNamespace
-
-    from interp_engine.backends.vllm.load import _declared_saes
     from interp_engine.backends.vllm.static_splice import SpliceTap
-    from interp_engine.backends.vllm.worker import Active, WorkerCall
-    from interp_engine.edits import Step
     from interp_engine.sae import KEPT
+    from interp_engine.sae_taps import declared_saes
 
     d, point = 16, S.Address("resid_post", 1)
     saes = (random_sae(d, 1, 5, apply_b_dec_to_input=True),
             random_sae(d, 1, 6, activation="jumprelu", threshold=torch.full((4 * d,), 0.1)),
             random_sae(d, 1, 7, activation="topk", k=5, normalize="constant_norm_rescale"))
-    _, _, declared = _declared_saes([S.Splice(sae) for sae in saes], SimpleNamespace(n_layers=2, d_model=d))
+    _, _, declared = declared_saes([S.Splice(sae) for sae in saes], _dims(d))
     ops = (S.Splice(saes[0]), S.Splice(saes[1], error=True), S.Splice(saes[2], positions=[-1]),
            S.Splice(saes[2], error=True))
     x = torch.randn(12, d, generator=torch.Generator().manual_seed(0)) * 3
 
     def active(op, rows):
-        n = len(rows)
-        step = Step(torch.arange(n)[None], torch.tensor([[n - 1]]), torch.tensor([[n]]), torch.zeros(1, n, dtype=torch.long))
-        return Active(WorkerCall({point: (op,)}, frozenset()), torch.tensor(rows), step)
+        return _active(point, op, rows)
 
     KEPT.update({sae.key: sae for sae in saes})  # as the worker keeps what the driver sent (sae_refs.py)
     try:
@@ -372,6 +444,51 @@ def test_the_compiled_splice_tap_equals_the_eager_splice_and_leaves_other_rows_b
         tap.reset(16)
         assert torch.equal(tap(x), x), "rows of calls that splice nothing pass unchanged"
         assert all(not c.call.error for c in calls)
+    finally:
+        for sae in saes:
+            KEPT.pop(sae.key, None)
+
+
+def test_compiled_clamps_of_topk_and_normalised_saes_equal_the_eager_clamp_beside_splices():
+    """The splice tap's clamps (SAEs whose features need the whole encode: topk with constant_norm_rescale, relu
+    with layer_norm; declared bare, as a user declares clamps), in one step with a splice of the same SAE and a
+    plain call, against SAE.clamped (eager's, checked against HF hooks below); a call past one SAE's slots fails
+    alone."""
+    from interp_engine.backends.vllm.static_splice import SpliceTap
+    from interp_engine.sae import KEPT
+    from interp_engine.sae_taps import declared_saes
+    from interp_engine.taps import CLAMP_SLOTS
+
+    d, point = 32, S.Address("resid_post", 1)  # 128 features: two calls of 40 each find no 64 slots
+    saes = (random_sae(d, 1, 7, activation="topk", k=5, normalize="constant_norm_rescale"),
+            random_sae(d, 1, 8, normalize="layer_norm", apply_b_dec_to_input=True))
+    writes, clamps, declared = declared_saes(["resid_post.1", *saes], _dims(d))
+    assert writes == ["resid_post.1"] and clamps == (point, point) and [s.key for s in declared] == [s.key for s in saes]
+    ops = (S.Clamp(saes[0], [1, 4], to=6.0), S.Splice(saes[0]), S.Clamp(saes[1], [2], to=-3.0, positions=[-1]),
+           S.Clamp(saes[1], [2, 9], to=0.0))
+    x = torch.randn(14, d, generator=torch.Generator().manual_seed(0)) * 3
+    KEPT.update({sae.key: sae for sae in saes})
+    try:
+        calls = [_active(point, op, rows) for op, rows in zip(ops, ([0, 1, 2], [3, 4], [5, 6, 7], [8, 9]))]
+        tap = SpliceTap(declared, 16, "cpu")
+        tap.fill(calls, point)
+        out = tap(x)
+        expected = torch.cat([saes[0].clamped(x[:3], (1, 4), 6.0), saes[0].spliced(x[3:5], False), x[5:7],
+                              saes[1].clamped(x[7:8], (2,), -3.0), saes[1].clamped(x[8:10], (2, 9), 0.0), x[10:]])
+        assert not torch.allclose(out[:3], x[:3], atol=1e-2) and not torch.allclose(out[7:10], x[7:10], atol=1e-2)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        assert torch.equal(out[5:7], x[5:7]) and torch.equal(out[10:], x[10:]), "rows that edit nothing are x"
+        tap.reset(16)
+        assert torch.equal(tap(x), x), "rows of calls that clamp nothing pass unchanged"
+        tap.fill(calls, point)  # the next step: the slots already hold these features
+        torch.testing.assert_close(tap(x), expected, rtol=1e-5, atol=1e-5)
+        tap.reset(16)
+        assert all(not c.call.error for c in calls)
+        many = [_active(point, S.Clamp(saes[0], list(range(i * 40, i * 40 + 40)), to=1.0), [i]) for i in (0, 1)]
+        tap.fill(many, point)
+        assert many[0].call.error == "" and f"more than {CLAMP_SLOTS} distinct features" in many[1].call.error
+        torch.testing.assert_close(tap(x)[:2], torch.cat([saes[0].clamped(x[:1], tuple(range(40)), 1.0), x[1:2]]),
+                                   rtol=1e-5, atol=1e-5)
     finally:
         for sae in saes:
             KEPT.pop(sae.key, None)

@@ -64,20 +64,28 @@ def test_saes_of_sharded_points_at_two_ranks_equal_eager(tiny_path, eager):
 
 
 def test_compiled_clamps_at_two_ranks_equal_eager(tiny_path, eager):
-    """vllm-static at num_gpus=2 with an SAE declared at resid_post.1 (clamps and splices): each rank fills the
-    same slots and buffers and edits its whole copy of the residual stream; calls with their own clamps and
-    splices at once, against eager."""
+    """vllm-static at num_gpus=2 with SAEs declared at resid_post.1 (a jumprelu one for clamps and splices, a topk
+    one with constant_norm_rescale: its whole encode), at attn_out.0 (whole on every rank, as the residual
+    stream) and at z.1 and mlp_act.0 (sharded: the taps gather them in the graph and keep each rank's slice):
+    each rank fills the same slots and buffers; calls with their own clamps and splices at once, against eager."""
     from concurrent.futures import ThreadPoolExecutor
 
     reference = eager("llama")
-    sae = _sae(reference.dims.d_model, "resid_post.1", 4, activation="jumprelu",
-               threshold=torch.full((4 * reference.dims.d_model,), 0.1))
-    specs = [S.Clamp(sae, [1, 2], to=25.0), S.Clamp(sae, [5], to=0.0, positions=[-1]), S.Splice(sae)]
+    d = reference.dims.d_model
+    sae = _sae(d, "resid_post.1", 4, activation="jumprelu", threshold=torch.full((4 * d,), 0.1))
+    topk = _sae(d, "resid_post.1", 5, activation="topk", k=6, normalize="constant_norm_rescale")
+    attn = _sae(d, "attn_out.0", 6)
+    z = _sae(reference.dims.n_heads * reference.dims.d_head, "z.1", 7)
+    mlp = _sae(reference.dims.d_mlp, "mlp_act.0", 8, activation="topk", k=8)
+    specs = [S.Clamp(sae, [1, 2], to=25.0), S.Clamp(sae, [5], to=0.0, positions=[-1]), S.Splice(sae),
+             S.Clamp(topk, [3, 4], to=15.0), S.Clamp(attn, [2, 7], to=12.0), S.Splice(attn),
+             S.Clamp(z, [3, 11], to=20.0), S.Splice(z), S.Clamp(mlp, [0, 5], to=15.0), S.Splice(mlp)]
     for live in list(_LIVE.values()):  # one engine per process
         live.unload()
     with no_child_survives():
         model = load_model(str(tiny_path("llama")), backend="vllm-static", num_gpus=2,
-                           static_points=["resid_post.1"], static_writes=[sae, S.Splice(sae)])
+                           static_points=["resid_post.1"], static_writes=[sae, S.Splice(sae), topk, attn,
+                                                                          S.Splice(attn), z, S.Splice(z), mlp])
         asyncio.run(model.warmup())
         try:
             with ThreadPoolExecutor(max_workers=len(specs)) as pool:

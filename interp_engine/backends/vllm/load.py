@@ -15,11 +15,9 @@ from interp_engine.backends.vllm.capabilities import for_handle
 from interp_engine.errors import BackendError, PointError, SpecError, fix
 from interp_engine.handle import ModelHandle
 from interp_engine.load_guards import load_tokenizer
-from interp_engine.sae import SAE, TENSORS
+from interp_engine.sae_taps import declared_saes
 from interp_engine.selection import BackendSelection, Hardware, vllm_installed, vllm_support
-from interp_engine.spec import Splice
-from interp_engine.taps import DeclaredSAE, Taps
-from interp_engine.tensor_data import SPEC_DTYPES
+from interp_engine.taps import Taps
 
 
 def load(repo_id: str, source: str, config, selection: BackendSelection, hardware: Hardware, *,
@@ -70,7 +68,7 @@ def load(repo_id: str, source: str, config, selection: BackendSelection, hardwar
             "with a table.", 'use backend="vllm" (any of those points per request) or backend="eager".'))
     dims = read_dims(config, arch)
     cfg = read_cfg(config, arch, dims)
-    writes, clamps, splices = _declared_saes(static_writes, dims)
+    writes, clamps, splices = declared_saes(static_writes, dims, num_gpus)
     taps = Taps.of(static_points, writes, dims.n_layers, clamps, splices) if capabilities.declares_taps else None
     refused = arch.vllm.refused_points if arch.vllm is not None else ()
     why = {str(a): arch.lacks(a.point) or lacking(a.point, a.layer, dims.layer_kinds)
@@ -98,39 +96,3 @@ def load(repo_id: str, source: str, config, selection: BackendSelection, hardwar
                        attn_implementation="vllm", requires_grad=False, arch=arch, dims=dims, cfg=cfg, runtime=runtime,
                        taps=taps)
 
-
-def _declared_saes(static_writes: Any, dims) -> tuple[Any, tuple, tuple[DeclaredSAE, ...]]:
-    """`static_writes` without its SAEs, the points where they compile a clamp in (backends/vllm/static_clamp.py),
-    and the SAEs declared as `S.Splice(sae)`, whose weights a compiled splice holds (static_splice.py); all at
-    residual-stream points (whole on every rank). A bare SAE declares its clamps only: a splice costs every step
-    the SAE's whole encode and decode at every row, so only an SAE declared for it pays that."""
-    if not isinstance(static_writes, list | tuple) or not any(isinstance(w, SAE | Splice) for w in static_writes):
-        return static_writes, (), ()
-    problems = []
-    for w in (w for w in static_writes if isinstance(w, SAE | Splice)):
-        sae = w if isinstance(w, SAE) else w.sae
-        if sae.reads.resolve(dims.n_layers).info.axes != ("batch", "pos", "d_model") or sae.d_in != dims.d_model \
-                or sae.writes is not None:
-            problems.append(f"an SAE of {sae.reads} (d_in={sae.d_in}, d_out={sae.d_out}): compiled SAE taps sit at "
-                            f"residual-stream points (d_model={dims.d_model} wide, whole on every rank)")
-        if isinstance(w, SAE) and (sae.activation == "topk" or sae.normalize != "none"):
-            problems.append(f"an SAE of {sae.reads} with activation={sae.activation}, normalize={sae.normalize}: a "
-                            "compiled clamp encodes only the clamped features (relu or jumprelu, unnormalised); "
-                            "S.Splice(sae) declares it for splicing, any activation")
-        if isinstance(w, Splice) and (w.error or w.positions != Splice(sae).positions):
-            problems.append(f"a Splice of {sae.reads} with error= or positions=: a declaration is S.Splice(sae), "
-                            "and those belong to each call's Splice")
-    if problems:
-        raise SpecError(fix("static_writes declares SAEs the compiled graph cannot hold: " + "; ".join(problems) + ".",
-                            'declare relu or jumprelu SAEs (clamps) or S.Splice(sae) of residual-stream points, or use '
-                            'backend="vllm", which applies any SAE per request.'))
-    dtypes = {v: k for k, v in SPEC_DTYPES.items()}
-    splices = tuple(DeclaredSAE(w.sae.key, w.sae.reads.resolve(dims.n_layers),
-                                (("activation", w.sae.activation), ("k", w.sae.k), ("normalize", w.sae.normalize),
-                                 ("apply_b_dec_to_input", w.sae.apply_b_dec_to_input)),
-                                tuple((name, t.shape, dtypes[t.tensor.dtype]) for name in TENSORS
-                                      if (t := getattr(w.sae, name)) is not None))
-                    for w in static_writes if isinstance(w, Splice))
-    clamps = tuple((w if isinstance(w, SAE) else w.sae).reads.resolve(dims.n_layers)
-                   for w in static_writes if isinstance(w, SAE | Splice))
-    return [w for w in static_writes if not isinstance(w, SAE | Splice)], clamps, splices

@@ -49,6 +49,10 @@ class Shards:
             return (self.kv_total, self.d_head)
         return (self.local[NEURONS] * self.size,) if kind == NEURONS else (self.widths.get(point, d_model),)
 
+    def sharded(self, point: str) -> bool:
+        """Whether this rank holds only a slice of `point`'s rows."""
+        return self.size > 1 and point in SHARDING
+
     # ------------------------------------------------------------------------------------------- collectives
     def gather(self, x: Tensor, dim: int) -> Tensor:
         return x if self.size == 1 else compat.all_gather(x, dim)

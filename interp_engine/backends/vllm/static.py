@@ -20,6 +20,7 @@ same.
 
 import functools
 import hashlib
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -62,17 +63,22 @@ def worker_cls(cuda: bool) -> str:
     return f"{__name__}.{'GPU' if cuda else 'CPU'}StaticWorker"
 
 
-def _tap(read: Tensor | None, mul: Tensor | None, add: Tensor | None,
-         clamp: ClampTap | None = None, splice: SpliceTap | None = None) -> Callable[[Tensor], Tensor]:
-    """A tap body: tensor ops on persistent buffers, nothing else, so the compiler traces it in."""
+def _tap(read: Tensor | None, mul: Tensor | None, add: Tensor | None, clamp: ClampTap | None = None,
+         splice: SpliceTap | None = None, whole: tuple[Callable, Callable] | None = None) -> Callable[[Tensor], Tensor]:
+    """A tap body: tensor ops on persistent buffers, nothing else, so the compiler traces it in. `whole`: for an
+    SAE tap at a sharded point under tensor parallelism, (gather, split) around the SAE taps, collectives in the
+    graph that every rank runs alike, so the SAE sees the whole point and each rank keeps its slice."""
     def tap(x: Tensor) -> Tensor:
         n = x.shape[0]
         if mul is not None:
             x = x * mul[:n].view(x.shape) + add[:n].view(x.shape)
-        if clamp is not None:
-            x = clamp(x)
-        if splice is not None:
-            x = splice(x)
+        if clamp is not None or splice is not None:
+            y = x if whole is None else whole[0](x)
+            if clamp is not None:
+                y = clamp(y)
+            if splice is not None:
+                y = splice(y)
+            x = y if whole is None else whole[1](y).reshape(x.shape)
         if read is not None:
             read[:n].copy_(x.reshape(n, -1))
         return x
@@ -101,10 +107,12 @@ class StaticTaps:
         # Sorted: every rank walks them in the same order, so the gathers after a step pair up.
         self.reads = {a: make(a, 0.0) for a in taps.buffers()}
         self.writes = {a: (make(a, 1.0), make(a, 0.0)) for a in sorted(taps.writes)}
-        self.clamps = {a: ClampTap(rows, shards.local_width(a.point, self.d_model), device) for a in taps.clamps}
+        # SAE taps see the whole point: gathered around them where this rank holds a slice.
+        self.clamps = {a: ClampTap(rows, math.prod(shards.shape(a.point, self.d_model)), device) for a in taps.clamps}
         self.splices = {a: SpliceTap(tuple(s for s in taps.splices if s.reads == a), rows, device)
                         for a in dict.fromkeys(s.reads for s in taps.splices)}
-        bodies = {a: _tap(self.reads.get(a), *self.writes.get(a, (None, None)), self.clamps.get(a), self.splices.get(a))
+        bodies = {a: _tap(self.reads.get(a), *self.writes.get(a, (None, None)), self.clamps.get(a), self.splices.get(a),
+                          self._whole(a.point) if a in self.clamps and shards.sharded(a.point) else None)
                   for a in self.reads.keys() | self.writes}
         self.handles = []
         for i, layer in enumerate(layers):
@@ -112,6 +120,11 @@ class StaticTaps:
                 self.handles += _tap_site(site, layer, i, layout, bodies)
         for site in MODEL_SITES:
             self.handles += _tap_site(site, self.model, None, layout, bodies)
+
+    def _whole(self, point: str) -> tuple[Callable, Callable]:
+        shape = self.shards.shape(point, self.d_model)
+        return (lambda x: self.shards.present(point, x.reshape(x.shape[0], -1)).reshape(x.shape[0], -1),
+                lambda y: self.shards.split(point, y.view(y.shape[0], *shape)).reshape(y.shape[0], -1))
 
     # ------------------------------------------------------------------------------------------- per step
     def forward(self, forward: Callable, *args, **kwargs):

@@ -2,13 +2,14 @@
 `static_writes` (`Taps.clamps`).
 
 A clamp sets features i to values t, error term kept: `x + sum_i (t_i - f_i(x)) W_dec[i]`; for relu and jumprelu
-`f_i` needs only encoder column i, its bias and threshold. So the tap holds `CLAMP_SLOTS` slots, each one
-(SAE, feature) pair: its encoder column, bias (`b_enc - b_dec @ W_enc` where SAELens subtracts b_dec first),
-threshold (0 for relu: `relu(p) * (p > 0) == relu(p)`) and decoder row, filled on the host before each step from
-the clamps of that step's calls (their SAEs arrived with their tables), and per row a count and a target per
-slot. The traced body is tensor ops on those buffers only; rows of calls that clamp nothing have count 0, so x
-passes unchanged (`x + 0`). It runs after the `(mul, add)` write tap and before the read, which is why the
-driver accepts one Clamp per point per call, after that point's other ops (validate.py).
+SAEs without normalisation (`SAE.acts_per_feature`; the others clamp in their splice tap, static_splice.py) `f_i`
+needs only encoder column i, its bias and threshold. So the tap holds `CLAMP_SLOTS` slots, each one (SAE, feature)
+pair: its encoder column, bias (`b_enc - b_dec @ W_enc` where SAELens subtracts b_dec first), threshold (0 for
+relu: `relu(p) * (p > 0) == relu(p)`) and decoder row, filled on the host before each step from the clamps of
+that step's calls (their SAEs arrived with their tables), and per row a count and a target per slot. The traced
+body is tensor ops on those buffers only; rows of calls that clamp nothing have count 0, so x passes unchanged
+(`x + 0`). It runs after the `(mul, add)` write tap and before the read, which is why the driver accepts one
+Clamp per point per call, after that point's other ops (validate.py).
 """
 
 import torch
@@ -42,10 +43,11 @@ class ClampTap:
         slots: dict[tuple, int] = {}
         used = False
         for active in editing:
-            for op in (o for o in active.call.ops[address] if isinstance(o, Clamp)):
+            # A topk or normalised SAE's clamps need its whole encode: the splice tap's (static_splice.py).
+            for op in (o for o in active.call.ops[address] if isinstance(o, Clamp) and o.sae.acts_per_feature):
                 mask = select(op.positions, active.step)
                 rows = active.rows if mask is None else active.rows[mask[0].to(active.rows.device)]
-                wanted = [(_identity(op.sae), f) for f in op.features]
+                wanted = [(op.sae.key, f) for f in op.features]
                 if len(slots.keys() | set(wanted)) > CLAMP_SLOTS:
                     active.call.fail(f"Clamp at {address}: this step's calls clamp more than {CLAMP_SLOTS} distinct "
                                      "features (the slots a vllm-static clamp tap holds); run fewer such calls at "
@@ -74,8 +76,3 @@ class ClampTap:
     def reset(self, n: int) -> None:
         self.count[:n].zero_()
 
-
-def _identity(sae) -> tuple:
-    """An SAE by content (its tensors' digests and what decides its activation), not by object."""
-    return (sae.W_enc.digest, sae.b_enc.digest, sae.W_dec.digest, sae.b_dec.digest,
-            sae.threshold.digest if sae.threshold is not None else None, sae.activation, sae.apply_b_dec_to_input)
