@@ -28,4 +28,10 @@ def shards_of(runner, layout) -> Shards:
     if layout.attention is None:  # a discovered layout: residual-stream points only, none sharded
         return Shards(config)
     down = compat.input_width(layer.get_submodule(layout.mlp_down)) if layout.mlp_down is not None else 0
-    return Shards(config, layer.get_submodule(layout.attention), down, read_dims(config, table_for(config)).n_experts)
+    dims = read_dims(config, table_for(config))
+    shards = Shards(config, layer.get_submodule(layout.attention), down, dims.n_experts)
+    if dims.layer_sizes:  # layers of their own widths (Gemma 4): each layer's own modules say its shards
+        shards.layers = tuple(shards.at(one.get_submodule(layout.attention), dims.at(i).n_kv_heads,
+                                        compat.input_width(one.get_submodule(layout.mlp_down)))
+                              for i, one in enumerate(compat.model(runner).get_submodule(layout.layers)))
+    return shards

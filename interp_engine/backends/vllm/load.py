@@ -62,6 +62,9 @@ def load(repo_id: str, source: str, config, selection: BackendSelection, hardwar
     arch = arch_for(config, name=str(repo_id))
     if arch.vllm is None and not arch.discovered:
         raise BackendError(fix(f"{vllm_support(config, source)}.", 'use backend="eager" for this model.'))
+    if capabilities.declares_taps and arch.vllm is not None and arch.vllm.static:
+        raise BackendError(fix(f'backend="{backend}" does not serve {config.model_type!r} models: {arch.vllm.static}.',
+                               'use backend="vllm" (every point per request) or backend="eager".'))
     if arch.discovered and capabilities.declares_taps:
         raise BackendError(fix(
             f"{str(repo_id)!r} is a {config.model_type!r} model, whose residual stream interp_engine finds from its "
