@@ -32,7 +32,6 @@ class VllmLayout:
     # "first", the stream itself, alone or first of a tuple whose rest the next layer never reads.
     stream_out: str = "sum"
     router: str | None = None  # the MoE gate, whose output's first element is router_logits
-    static: str | None = None  # why vllm-static refuses this family (its taps cannot follow it yet); None: served
 
 
 @dataclass(frozen=True, slots=True)

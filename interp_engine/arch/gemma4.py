@@ -26,8 +26,8 @@ global layers as `layer_types` says, plus:
 
 TransformerLens-shaped weights are not served: the layers' head widths differ and KV-shared layers have no k or v
 projections. attn_result is each head's z times its rows of the layer's own o_proj (`Arch.o_proj`), before the
-post-attention norm, as on Gemma 2/3. Served on eager and `vllm` (every point; `VLLM` below); vllm-static refuses
-it (`VllmLayout.static`).
+post-attention norm, as on Gemma 2/3. Served on every backend with every point (`VLLM` below for both vLLM ones;
+their buffers and gathers follow each layer's own widths: `Shards.layers`).
 """
 
 import dataclasses
@@ -42,9 +42,7 @@ from interp_engine.arch import VllmLayout, gemma2
 # layer's cache, so its patterns are recomputed from that layer's keys (`layers.kv_sources`).
 VLLM = VllmLayout(layers="model.layers", final_norm="model.norm", attention="self_attn.attn", o_proj="self_attn.o_proj",
                   attn_out="post_attention_layernorm", mlp_out="post_feedforward_layernorm", mlp_down="mlp.down_proj",
-                  mlp_in="mlp.gate_up_proj", mid_norm="pre_feedforward_layernorm", stream_out="first",
-                  static="its taps are compiled at one width per point, and Gemma 4's layers differ in head width "
-                         "and MLP width (global and KV-shared layers), which vllm-static's buffers do not yet follow")
+                  mlp_in="mlp.gate_up_proj", mid_norm="pre_feedforward_layernorm", stream_out="first")
 
 ARCHES = (dataclasses.replace(
     gemma2.ARCHES[0], family="gemma4", model_types=("gemma4_text",), vllm=VLLM, normalization="rmsnorm",

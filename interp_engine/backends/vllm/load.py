@@ -10,6 +10,7 @@ import torch
 from interp_engine import quantization as Q
 from interp_engine import vllm_args
 from interp_engine.arch import arch_for, read_cfg, read_dims
+from interp_engine.arch.layers import lacking as layer_lacking
 from interp_engine.backends.vllm.capabilities import for_handle
 from interp_engine.errors import BackendError, PointError, SpecError, fix
 from interp_engine.handle import ModelHandle
@@ -62,9 +63,6 @@ def load(repo_id: str, source: str, config, selection: BackendSelection, hardwar
     arch = arch_for(config, name=str(repo_id))
     if arch.vllm is None and not arch.discovered:
         raise BackendError(fix(f"{vllm_support(config, source)}.", 'use backend="eager" for this model.'))
-    if capabilities.declares_taps and arch.vllm is not None and arch.vllm.static:
-        raise BackendError(fix(f'backend="{backend}" does not serve {config.model_type!r} models: {arch.vllm.static}.',
-                               'use backend="vllm" (every point per request) or backend="eager".'))
     if arch.discovered and capabilities.declares_taps:
         raise BackendError(fix(
             f"{str(repo_id)!r} is a {config.model_type!r} model, whose residual stream interp_engine finds from its "
@@ -74,9 +72,14 @@ def load(repo_id: str, source: str, config, selection: BackendSelection, hardwar
     cfg = read_cfg(config, arch, dims)
     writes, clamps, splices = _declared_saes(static_writes, dims)
     taps = Taps.of(static_points, writes, dims.n_layers, clamps, splices) if capabilities.declares_taps else None
-    lacking = sorted({a.point for a in (*taps.reads, *taps.writes) if arch.lacks(a.point)} if taps else set())
-    if lacking:
-        raise PointError("; ".join(f"{p} cannot be declared for {str(repo_id)!r}: {arch.lacks(p)}" for p in lacking))
+    declared = dict.fromkeys((*taps.reads, *taps.writes)) if taps else {}
+    lacking = sorted({a.point for a in declared if arch.lacks(a.point)})
+    problems = [f"{p} cannot be declared for {str(repo_id)!r}: {arch.lacks(p)}" for p in lacking]
+    # A point some layers lack (Gemma 4's KV-shared layers have no k or v).
+    problems += [f"{a} cannot be declared: {why}" for a in declared if a.layer is not None and a.layer < dims.n_layers
+                 and (why := layer_lacking(a.point, a.layer, dims.layer_kinds))]
+    if problems:
+        raise PointError("; ".join(problems))
     if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, int)
                                       or not 0 < max_model_len <= dims.max_len):
         raise SpecError(fix(f"max_model_len={max_model_len!r} is outside this model's 1..{dims.max_len} positions "

@@ -372,7 +372,7 @@ def _hook(site: Site, root, layer: int | None, layout, state: StepState, needed:
     def transform(xs):
         out, full = [], {}
         for point, chain, x in zip(site.points, chains, xs):
-            if x is None or not chain and not (patterns and point in ("q", "k")) and not (logits or routing or results):
+            if x is None or not (chain or patterns and point in ("q", "k") or logits or routing or results):
                 out.append(x)
                 continue
             gathered = shards.present(point, x)
