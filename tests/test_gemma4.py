@@ -2,14 +2,15 @@
 32 wide with two), per-layer inputs, KV-shared last layers with a double-wide MLP. Every point against HF's own
 outputs and its own attention interface on a model interp_engine never touched; writes against HF with its weights
 changed or its own modules hooked; what a layer lacks, a vector of another layer's width, and the MoE block refused
-before any forward. Its own module, not in tiny.FAMILIES: the family-parametrized tests assume one head width."""
+before any forward. Its own module, not in tiny.FAMILIES: the family-parametrized tests assume one head width. The
+`vllm` backend against eager: test_gemma4_vllm.py."""
 
 import json
 import shutil
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.gemma4 import modeling_gemma4
 
 from interp_engine import capture, generate, load_model, run_with_grad, steer
@@ -198,9 +199,6 @@ def test_what_a_layer_lacks_and_other_widths_are_refused_before_any_forward(eage
     (folder / "model.safetensors").write_bytes(b"not weights")
     with pytest.raises(InterpEngineError, match="(?s)sets enable_moe_block.*Fix: use a dense Gemma 4"):
         load_model(str(folder), backend="eager", device="cpu")
-    for backend in ("vllm", "vllm-static"):
-        with pytest.raises(InterpEngineError, match="no site table for vLLM 0.32's Gemma 4 layers"):
-            load_model(str(tiny_path(FAMILY)), backend=backend)
 
 
 def test_sdpa_equals_eager(eager):
@@ -235,11 +233,13 @@ def test_the_sizer_prices_gemma4_as_hf_builds_it(over, kv_floats):
 
 @requires("vllm")
 @requires("slow")  # a vLLM import and model build in a child: ~45 s on 2 shared cores
-def test_the_unserved_vllm_table_names_modules_of_vllms_own_gemma4_tree(tiny_path):
-    """The vLLM site table (gemma4.VLLM_UNSERVED) against vLLM 0.32's own module tree for the tiny config, layer by
-    layer, and the refusal's reasons: every layer has an Attention module, the KV-shared ones reading layers 0
-    and 1's caches; the MLP's gate and up projections are merged."""
-    from interp_engine.arch.gemma4 import VLLM_UNSERVED as table
+def test_the_vllm_table_names_modules_of_vllms_own_gemma4_tree(tiny_path):
+    """The vLLM site table (gemma4.VLLM) against vLLM 0.32's own module tree for the tiny config, layer by layer:
+    every layer has an Attention module, the KV-shared ones reading layers 0 and 1's caches (as
+    `layers.kv_sources` says); the MLP's gate and up projections are merged."""
+    from interp_engine.arch import table_for
+    from interp_engine.arch.gemma4 import VLLM as table
+    from interp_engine.arch.layers import kv_sources
 
     tree, targets = module_tree(tiny_path(FAMILY), "gemma4", "Gemma4ForCausalLM")
     assert tree[table.layers] == "ModuleList" and table.final_norm in tree
@@ -251,6 +251,8 @@ def test_the_unserved_vllm_table_names_modules_of_vllms_own_gemma4_tree(tiny_pat
         assert kind == "Attention"
         assert target == ({2: f"{table.layers}.0.{table.attention}", 3: f"{table.layers}.1.{table.attention}"}
                           .get(i)), (i, target)
+    config = AutoConfig.from_pretrained(str(tiny_path(FAMILY)))
+    assert kv_sources(config, table_for(config)) == {2: 0, 3: 1}
 
 
 def test_gradients_at_each_layers_width_and_through_the_shared_keys(eager, reference):

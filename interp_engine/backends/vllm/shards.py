@@ -9,8 +9,11 @@ graph and gathers after the step. Every rank calls these in the same order (the 
 only on the broadcast schedule), so the collectives pair up.
 """
 
+import copy
+
 from torch import Tensor
 
+from interp_engine.arch.layers import config_value
 from interp_engine.backends.vllm import compat
 
 # How each point is sharded under tensor parallelism (points not listed are replicated).
@@ -27,10 +30,24 @@ class Shards:
         (replicated: kv_a_proj_with_mqa and its norm are whole on every rank)."""
         self.widths = {"router_logits": n_experts, "kv_latent": d_latent}
         self.size, self.rank = compat.tp_size(), compat.tp_rank()
-        self.kv_total = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.kv_total = config_value(config, "num_key_value_heads") or config.num_attention_heads
         heads, kv_heads, self.d_head = compat.attention_heads(attention) if attention is not None else (0, 0, 0)
         self.local = {HEADS: heads, KV_HEADS: kv_heads, NEURONS: mlp_local or 0}
         self.replicas = max(1, self.size // self.kv_total)  # ranks holding each kv head when size > kv heads
+        self.layers: tuple[Shards, ...] = ()  # per layer, where layers differ in widths (`at`)
+
+    def at(self, attention, kv_total: int, mlp_local: int) -> "Shards":
+        """These shards at a layer of other widths (Gemma 4's global layers' heads, its double-wide MLPs): that
+        layer's Attention module, its total KV heads and its mlp_act features on this rank."""
+        own = copy.copy(self)
+        own.kv_total, own.replicas = kv_total, max(1, self.size // kv_total)
+        heads, kv_heads, own.d_head = compat.attention_heads(attention)
+        own.local = {HEADS: heads, KV_HEADS: kv_heads, NEURONS: mlp_local}
+        return own
+
+    def layer(self, layer: int | None) -> "Shards":
+        """The shards of points at `layer` (a model-wide point's: None)."""
+        return self.layers[layer] if self.layers and layer is not None else self
 
     # ------------------------------------------------------------------------------------------- shapes
     def local_width(self, point: str, d_model: int) -> int:

@@ -89,6 +89,11 @@ STREAM_IN = Codec("stream_in", _stream_in, _stream_in_repack, kwargs=True)
 # A fused add-norm's input, norm(x, residual): it adds them first thing.
 FUSED_IN = Codec("fused_in", lambda args, kwargs, out: (args[0] + args[1],),
                  lambda args, kwargs, out, new: (new[0], torch.zeros_like(args[1]), *args[2:]), fresh=True)
+# A plain norm's input that is also the stream its layer adds the block's output to (a layer that returns the
+# stream itself, Gemma 4's: no fused add-norm hands the residual on), so a write goes into that tensor in place
+# and reaches both.
+STREAM_SHARED = Codec("stream_shared", lambda args, kwargs, out: (args[0],),
+                      lambda args, kwargs, out, new: (args[0].copy_(new[0]), *args[1:]))
 # The decoder layer's output, (hidden, residual): the stream is their sum.
 STREAM_OUT = Codec("stream_out", lambda args, kwargs, out: (out[0] + out[1],),
                    lambda args, kwargs, out, new: (new[0], torch.zeros_like(out[1])), fresh=True)
@@ -159,9 +164,10 @@ SITES = (
 )
 LAYER_SITES = tuple(s for s in SITES if s.scope == "layer")
 MODEL_SITES = tuple(s for s in SITES if s.scope == "model")
-# A layer that returns the stream itself (alone, or first of a tuple): resid_post is that first output.
-_FIRST_SITES = tuple(dataclasses.replace(s, codec=FIRST_OUTPUT) if s.codec is STREAM_OUT else s
-                     for s in LAYER_SITES)
+# A layer that returns the stream itself (alone, or first of a tuple): resid_post is that first output, and its
+# MLP's norm takes resid_mid alone.
+_FIRST_CODECS = {STREAM_OUT: FIRST_OUTPUT, FUSED_IN: STREAM_SHARED}
+_FIRST_SITES = tuple(dataclasses.replace(s, codec=_FIRST_CODECS.get(s.codec, s.codec)) for s in LAYER_SITES)
 
 
 def layer_sites(layout) -> tuple[Site, ...]:

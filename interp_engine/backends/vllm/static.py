@@ -30,10 +30,10 @@ from torch import Tensor
 from interp_engine import sae
 from interp_engine.addresses import Address
 from interp_engine.backends.vllm import compat, wire
-from interp_engine.backends.vllm.patterns import record_patterns
+from interp_engine.backends.vllm.patterns import record_patterns, sharing
 from interp_engine.backends.vllm.static_clamp import ClampTap
 from interp_engine.backends.vllm.static_splice import SpliceTap
-from interp_engine.backends.vllm.sites import FINAL, LAYER_SITES, LOGITS, MODEL_SITES, Site, module_of, register
+from interp_engine.backends.vllm.sites import FINAL, LOGITS, MODEL_SITES, Site, layer_sites, module_of, register
 from interp_engine.backends.vllm.derived import expert_weights, head_results, record
 from interp_engine.backends.vllm.layouts import layout_of
 from interp_engine.backends.vllm.worker import InterpExtension, StepState, WorkerCall
@@ -98,33 +98,38 @@ class StaticTaps:
         # None under latent attention (DeepSeek): no Attention module, and no patterns to recompute.
         self.attention = [layer.get_submodule(layout.attention) if layout.attention else None for layer in layers]
         self.d_model = compat.hidden_size(runner)
+        self.sources = sources = self.state.sources  # a KV-shared layer's patterns need its source layer's k
 
         rows, dtype = compat.max_num_tokens(runner), compat.model_dtype(runner)
         device = next(self.model.parameters()).device
-        # This rank's rows, flat: the taps run inside the model, on local shards.
-        make = lambda a, fill: torch.full((rows, shards.local_width(a.point, self.d_model)), fill,  # noqa: E731
-                                          dtype=dtype, device=device)
+        # This rank's rows, flat, at the point's layer's own width: the taps run inside the model, on local shards.
+        width = lambda a: shards.layer(a.layer).local_width(a.point, self.d_model)  # noqa: E731
+        make = lambda a, fill: torch.full((rows, width(a)), fill, dtype=dtype, device=device)  # noqa: E731
+        buffers = {Address("k", sources[a.layer]) if a.point == "k" and a.layer in sources else a
+                   for a in taps.buffers()}
         # Sorted: every rank walks them in the same order, so the gathers after a step pair up.
-        self.reads = {a: make(a, 0.0) for a in taps.buffers()}
+        self.reads = {a: make(a, 0.0) for a in sorted(buffers)}
         self.writes = {a: (make(a, 1.0), make(a, 0.0)) for a in sorted(taps.writes)}
-        # SAE taps see the whole point: gathered around them where this rank holds a slice.
-        self.clamps = {a: ClampTap(rows, math.prod(shards.shape(a.point, self.d_model)), device) for a in taps.clamps}
+        # SAE taps see the whole point at its layer's widths: gathered around them where this rank holds a slice.
+        self.clamps = {a: ClampTap(rows, math.prod(shards.layer(a.layer).shape(a.point, self.d_model)), device)
+                       for a in taps.clamps}
         self.splices = {a: SpliceTap(tuple(s for s in taps.splices if s.reads == a), rows, device)
                         for a in dict.fromkeys(s.reads for s in taps.splices)}
         bodies = {a: _tap(self.reads.get(a), *self.writes.get(a, (None, None)), self.clamps.get(a), self.splices.get(a),
-                          self._whole(a.point) if a in self.clamps and shards.sharded(a.point) else None)
+                          self._whole(a) if a in self.clamps and shards.sharded(a.point) else None)
                   for a in self.reads.keys() | self.writes}
         self.handles = []
         for i, layer in enumerate(layers):
-            for site in LAYER_SITES:
+            for site in layer_sites(layout):
                 self.handles += _tap_site(site, layer, i, layout, bodies)
         for site in MODEL_SITES:
             self.handles += _tap_site(site, self.model, None, layout, bodies)
 
-    def _whole(self, point: str) -> tuple[Callable, Callable]:
-        shape = self.shards.shape(point, self.d_model)
-        return (lambda x: self.shards.present(point, x.reshape(x.shape[0], -1)).reshape(x.shape[0], -1),
-                lambda y: self.shards.split(point, y.view(y.shape[0], *shape)).reshape(y.shape[0], -1))
+    def _whole(self, address: Address) -> tuple[Callable, Callable]:
+        point, shards = address.point, self.shards.layer(address.layer)
+        shape = shards.shape(point, self.d_model)
+        return (lambda x: shards.present(point, x.reshape(x.shape[0], -1)).reshape(x.shape[0], -1),
+                lambda y: shards.split(point, y.view(y.shape[0], *shape)).reshape(y.shape[0], -1))
 
     # ------------------------------------------------------------------------------------------- per step
     def forward(self, forward: Callable, *args, **kwargs):
@@ -154,7 +159,8 @@ class StaticTaps:
             editing = [a for a in self.state.active if address in a.call.ops and not a.call.error]
             if not editing:
                 continue
-            shape = self.shards.shape(address.point, self.d_model)
+            shards = self.shards.layer(address.layer)
+            shape = shards.shape(address.point, self.d_model)
             full_mul = torch.ones((n, *shape), dtype=mul.dtype, device=mul.device)
             full_add = torch.zeros_like(full_mul)
             if address in self.clamps:
@@ -174,15 +180,17 @@ class StaticTaps:
                     active.call.fail(str(failure(ops, e)), in_spec=True)
                     full_mul.index_fill_(0, active.rows, 1.0)
                     full_add.index_fill_(0, active.rows, 0.0)
-            mul[:n].copy_(self.shards.split(address.point, full_mul).reshape(n, -1))
-            add[:n].copy_(self.shards.split(address.point, full_add).reshape(n, -1))
+            mul[:n].copy_(shards.split(address.point, full_mul).reshape(n, -1))
+            add[:n].copy_(shards.split(address.point, full_add).reshape(n, -1))
             dirty.append((mul, add))
         return dirty
 
     def _read(self, n: int) -> None:
         state = self.state
         wanted = set().union(*(a.call.reads | a.call.lens for a in state.active))
-        pattern_layers = sorted({a.layer for a in wanted if a.point in PATTERNS})
+        pattern_layers = {a.layer for a in wanted if a.point in PATTERNS}
+        # with the layers whose keys they attend over (KV-shared layers'), which run first
+        pattern_layers = sorted(pattern_layers | {self.sources[i] for i in pattern_layers if i in self.sources})
         qk: dict[Address, Tensor] = {}
         for address, buf in self.reads.items():
             needs_qk = address.point in ("q", "k") and address.layer in pattern_layers
@@ -190,7 +198,7 @@ class StaticTaps:
             if (address not in wanted and not needs_qk and not (address == FINAL and LOGITS in wanted)
                     and derived not in wanted):
                 continue
-            x = self.shards.present(address.point, buf[:n])
+            x = self.shards.layer(address.layer).present(address.point, buf[:n])
             for active in state.active:
                 if address in active.call.reads or address in active.call.lens:
                     state.keep(active, address, x.index_select(0, active.rows), copied=True)
@@ -206,14 +214,15 @@ class StaticTaps:
             if needs_qk:
                 qk[address] = x
         for layer in pattern_layers:
-            record_patterns(state, layer, qk[Address("q", layer)], qk[Address("k", layer)], self.attention[layer])
+            record_patterns(state, layer, qk.get(Address("q", layer)), qk.get(Address("k", layer)),
+                            self.attention[layer], *sharing(self.sources, layer))
 
     def _derive(self, address: Address, x: Tensor) -> Tensor:
         if address.point == "expert_weights":
             gate = self.layers[address.layer].get_submodule(self.layout.router)
             return expert_weights(x, self.state.routing(gate))
         o_proj = self.layers[address.layer].get_submodule(self.layout.o_proj)
-        return head_results(self.shards, x, o_proj)
+        return head_results(self.shards.layer(address.layer), x, o_proj)
 
 
 def _tap_site(site: Site, root, layer: int | None, layout, bodies: dict[Address, Callable]) -> list:

@@ -19,7 +19,7 @@ from interp_engine.addresses import Address
 from interp_engine.backends.vllm import compat, results, sae_refs, wire
 from interp_engine.backends.vllm.derived import expert_weights, head_results, record, routing_of
 from interp_engine.backends.vllm.layouts import layout_of, shards_of
-from interp_engine.backends.vllm.patterns import record_patterns
+from interp_engine.backends.vllm.patterns import key_sharing, record_patterns, sharing, wants_patterns
 from interp_engine.backends.vllm.weights import WeightsExtension
 from interp_engine.backends.vllm.sites import (EMBED, FINAL, LOGITS, MODEL_SITES, Site, layer_positions, layer_sites,
                                                module_of, register)
@@ -223,6 +223,7 @@ class StepState:
         layout = layout_of(runner)
         self.shards = shards_of(runner, layout)
         self.routing = routing_of(runner)
+        self.sources = key_sharing(runner)
         model = compat.model(runner)
         norm = model.get_submodule(layout.final_norm)
         # Every rank runs this (compute_logits gathers the vocab-parallel shards, a collective).
@@ -357,8 +358,7 @@ def _hook(site: Site, root, layer: int | None, layout, state: StepState, needed:
     """The per-request hook of one site, if any installed call touches it: gather each point's shards, run
     every call's ops and reads on its rows, split edits back."""
     chains = [tuple(a for a in chain if a in needed) for chain in site.addresses(layer)]
-    patterns = site.points == ("q", "k", "v") and (Address("attn_scores", layer) in needed
-                                                   or Address("attn_probs", layer) in needed)
+    patterns = site.points == ("q", "k", "v") and wants_patterns(needed, layer, state.sources)
     logits = site.points == ("final",) and LOGITS in needed
     weights = Address("expert_weights", layer) if site.points == ("router_logits",) else None
     routing = weights in needed and state.routing is not None
@@ -367,12 +367,12 @@ def _hook(site: Site, root, layer: int | None, layout, state: StepState, needed:
     if not any(chains) and not patterns and not logits and not routing and not results:
         return []
     module = module_of(site, layout, root)
-    shards = state.shards
+    shards = state.shards.layer(layer)
 
     def transform(xs):
         out, full = [], {}
         for point, chain, x in zip(site.points, chains, xs):
-            if not chain and not (patterns and point in ("q", "k")) and not logits and not routing and not results:
+            if x is None or not (chain or patterns and point in ("q", "k") or logits or routing or results):
                 out.append(x)
                 continue
             gathered = shards.present(point, x)
@@ -388,7 +388,7 @@ def _hook(site: Site, root, layer: int | None, layout, state: StepState, needed:
             full[point] = edited
             out.append(x if edited is gathered else shards.split(point, edited).reshape(x.shape).to(x.dtype))
         if patterns:  # recomputed from the q and k the kernel will see, after any edits to them
-            record_patterns(state, layer, full["q"], full["k"], module)
+            record_patterns(state, layer, full["q"], full.get("k"), module, *sharing(state.sources, layer))
         return tuple(out)
 
     return [register(module, site, transform, when=lambda: bool(state.active))]
