@@ -32,6 +32,11 @@ class VllmLayout:
     # "first", the stream itself, alone or first of a tuple whose rest the next layer never reads.
     stream_out: str = "sum"
     router: str | None = None  # the MoE gate, whose output's first element is router_logits
+    z_out: str | None = None  # a module whose output is z (gated attention: o_proj reads z * sigmoid(gate))
+    # Hybrid linear attention: at a layer that has it instead of `attn_out`, the Gated DeltaNet (its output is
+    # attn_out there), and its gated norm, called as norm(lin_out, lin_z).
+    linear_attn: str | None = None
+    lin_norm: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

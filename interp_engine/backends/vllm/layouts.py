@@ -24,8 +24,10 @@ def shards_of(runner, layout) -> Shards:
     from interp_engine.arch import read_dims, table_for
 
     config = compat.hf_config(runner)
-    layer = compat.model(runner).get_submodule(layout.layers)[0]
     if layout.attention is None:  # a discovered layout: residual-stream points only, none sharded
         return Shards(config)
+    # A hybrid's first layers may be Gated DeltaNets: head counts are read at its first attention layer.
+    layer = next(layer for layer in compat.model(runner).get_submodule(layout.layers)
+                 if layout.linear_attn is None or not hasattr(layer, layout.linear_attn))
     down = compat.input_width(layer.get_submodule(layout.mlp_down)) if layout.mlp_down is not None else 0
     return Shards(config, layer.get_submodule(layout.attention), down, read_dims(config, table_for(config)).n_experts)

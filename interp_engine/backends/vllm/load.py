@@ -67,6 +67,11 @@ def load(repo_id: str, source: str, config, selection: BackendSelection, hardwar
             f"{str(repo_id)!r} is a {config.model_type!r} model, whose residual stream interp_engine finds from its "
             f"structure ({', '.join(arch.points)}); backend=\"{backend}\" compiles taps only into the families "
             "with a table.", 'use backend="vllm" (any of those points per request) or backend="eager".'))
+    if arch.linear_attention is not None and capabilities.declares_taps:
+        raise BackendError(fix(
+            f"{str(repo_id)!r} is a {arch.family} model (hybrid linear attention); backend=\"{backend}\" has not been "
+            "run against vLLM's Gated DeltaNet layers compiled (their custom ops under torch.compile), so it does "
+            "not claim them.", 'use backend="vllm" (the same points, per request) or backend="eager".'))
     dims = read_dims(config, arch)
     cfg = read_cfg(config, arch, dims)
     writes, clamps, splices = _declared_saes(static_writes, dims)

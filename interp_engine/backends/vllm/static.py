@@ -205,7 +205,8 @@ def _tap_site(site: Site, root, layer: int | None, layout, bodies: dict[Address,
     """The tap of one site, if any of its points is tapped. Its structure is fixed here, at install: a traced
     hook cannot branch on a request."""
     chains = [tuple(bodies[a] for a in chain if a in bodies) for chain in site.addresses(layer)]
-    if not any(chains):
+    module = module_of(site, layout, root) if any(chains) else None
+    if module is None:  # nothing tapped here, or not in this layer
         return []
 
     def transform(xs):
@@ -216,7 +217,7 @@ def _tap_site(site: Site, root, layer: int | None, layout, bodies: dict[Address,
             out.append(x)
         return tuple(out)
 
-    return [register(module_of(site, layout, root), site, transform)]
+    return [register(module, site, transform)]
 
 
 class StaticExtension(InterpExtension):
