@@ -29,9 +29,10 @@ MLP: Qwen3.5's is dense and gated; Qwen3-Next's and Qwen3.5-MoE's a mixture of e
 shared expert (times a sigmoid gate of its own): `mlp_out` is the block's output, routed experts plus the shared
 one; router_logits, expert_weights and expert_out are the routed experts' (Qwen3-MoE's router).
 
-On `vllm` (Qwen3-Next; arch/vllm_cpu.py: bfloat16 only on CPUs) every point but lin_q, lin_k, lin_v, lin_beta and
-lin_g, which vLLM's Gated DeltaNet forms only inside one custom op (the convolution, the gating and the delta rule
-on its cached state): those are eager only (addresses.py). Qwen3.5 is refused on the vLLM backends (`_HYBRID`).
+On `vllm` and `vllm-static` (Qwen3-Next; arch/vllm_cpu.py: bfloat16 only on CPUs) every point but lin_q, lin_k,
+lin_v, lin_beta and lin_g, which vLLM's Gated DeltaNet forms only inside one custom op (the convolution, the gating
+and the delta rule on its cached state): those are eager only (addresses.py). Qwen3.5 is refused on the vLLM
+backends (`_HYBRID`).
 """
 
 import dataclasses

@@ -10,6 +10,7 @@ import torch
 from interp_engine import quantization as Q
 from interp_engine import vllm_args
 from interp_engine.arch import arch_for, read_cfg, read_dims
+from interp_engine.arch.layers import lacking as layer_lacking
 from interp_engine.backends.vllm.capabilities import for_handle
 from interp_engine.errors import BackendError, PointError, SpecError, fix
 from interp_engine.handle import ModelHandle
@@ -67,18 +68,18 @@ def load(repo_id: str, source: str, config, selection: BackendSelection, hardwar
             f"{str(repo_id)!r} is a {config.model_type!r} model, whose residual stream interp_engine finds from its "
             f"structure ({', '.join(arch.points)}); backend=\"{backend}\" compiles taps only into the families "
             "with a table.", 'use backend="vllm" (any of those points per request) or backend="eager".'))
-    if arch.linear_attention is not None and capabilities.declares_taps:
-        raise BackendError(fix(
-            f"{str(repo_id)!r} is a {arch.family} model (hybrid linear attention); backend=\"{backend}\" has not been "
-            "run against vLLM's Gated DeltaNet layers compiled (their custom ops under torch.compile), so it does "
-            "not claim them.", 'use backend="vllm" (the same points, per request) or backend="eager".'))
     dims = read_dims(config, arch)
     cfg = read_cfg(config, arch, dims)
     writes, clamps, splices = _declared_saes(static_writes, dims)
     taps = Taps.of(static_points, writes, dims.n_layers, clamps, splices) if capabilities.declares_taps else None
     lacking = sorted({a.point for a in (*taps.reads, *taps.writes) if arch.lacks(a.point)} if taps else set())
-    if lacking:
-        raise PointError("; ".join(f"{p} cannot be declared for {str(repo_id)!r}: {arch.lacks(p)}" for p in lacking))
+    # A point the family has but not at that layer (a hybrid's q at a Gated DeltaNet layer), once per address.
+    at_layer = [f"{a} cannot be declared for {str(repo_id)!r}: {why}"
+                for a in dict.fromkeys((*taps.reads, *taps.writes) if taps else ())
+                if a.point not in lacking and (why := layer_lacking(a.point, a.layer, dims.layer_kinds))]
+    if lacking or at_layer:
+        raise PointError("; ".join([*(f"{p} cannot be declared for {str(repo_id)!r}: {arch.lacks(p)}" for p in lacking),
+                                    *at_layer]))
     if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, int)
                                       or not 0 < max_model_len <= dims.max_len):
         raise SpecError(fix(f"max_model_len={max_model_len!r} is outside this model's 1..{dims.max_len} positions "

@@ -176,9 +176,12 @@ def layer_sites(layout) -> tuple[Site, ...]:
 def module_of(site: Site, layout, root):
     """The module a site hooks: `root` is a decoder layer (layer sites) or the model (model sites). None where the
     layout has no such module, or this layer has not (a hybrid's layer has attention or a Gated DeltaNet)."""
-    if not site.module:
-        return root
-    path = getattr(layout, site.module)
+    return module_at(layout, site.module, root) if site.module else root
+
+
+def module_at(layout, field: str, root):
+    """The module `layout.<field>` names under `root`; None as in `module_of`."""
+    path = getattr(layout, field)
     if path is None:
         return None
     try:

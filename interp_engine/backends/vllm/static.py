@@ -32,7 +32,8 @@ from interp_engine.backends.vllm import compat, wire
 from interp_engine.backends.vllm.patterns import record_patterns
 from interp_engine.backends.vllm.static_clamp import ClampTap
 from interp_engine.backends.vllm.static_splice import SpliceTap
-from interp_engine.backends.vllm.sites import FINAL, LAYER_SITES, LOGITS, MODEL_SITES, Site, module_of, register
+from interp_engine.backends.vllm.sites import (FINAL, LAYER_SITES, LOGITS, MODEL_SITES, Site, module_at, module_of,
+                                               register)
 from interp_engine.backends.vllm.derived import expert_weights, head_results, record
 from interp_engine.backends.vllm.layouts import layout_of
 from interp_engine.backends.vllm.worker import InterpExtension, StepState, WorkerCall
@@ -89,7 +90,7 @@ class StaticTaps:
         self.state = StepState(runner, calls)
         self.shards = shards = self.state.shards
         self.layers = layers = list(self.model.get_submodule(layout.layers))
-        self.attention = [layer.get_submodule(layout.attention) for layer in layers]
+        self.attention = [module_at(layout, "attention", layer) for layer in layers]  # None: a Gated DeltaNet's
         self.d_model = compat.hidden_size(runner)
 
         rows, dtype = compat.max_num_tokens(runner), compat.model_dtype(runner)
