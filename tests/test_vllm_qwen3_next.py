@@ -109,8 +109,8 @@ def _chosen(c, layer, k):
 
 def _flipped(ours, theirs, k, n_layers, lengths) -> set[int]:
     """The prompts where some token chose other experts than on eager. Each such choice must be a near-tie on
-    eager (its k-th and (k+1)-th router logits within NEAR_TIE): bf16 rounding decides it. Later layers of that
-    prompt follow from the other choice, so the prompt is left out from its first flip on (returned)."""
+    eager (its k-th and (k+1)-th router logits within NEAR_TIE): bf16 rounding decides it. What follows in that
+    prompt follows from the other choice, so the caller leaves the prompt out (returned)."""
     out: set[int] = set()
     for layer in range(n_layers):
         logits = theirs[f"router_logits.{layer}"].float()
