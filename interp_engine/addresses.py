@@ -21,7 +21,7 @@ class PointInfo:
     eager_only_write: bool = False
     needs_eager_attention: bool = False
     read_only: bool = False  # derived from another point, never written (write that one instead)
-    eager_only_read: bool = False  # read on eager only (vLLM's fused kernels never form it)
+    eager_only_read: bool = False  # read (and, unless read_only, written) on eager only: vLLM never forms it
 
     @property
     def head_axis(self) -> int | None:
@@ -52,11 +52,11 @@ POINTS: dict[str, PointInfo] = {
         PointInfo("z", ("batch", "pos", "n_heads", "d_head_v")),
         PointInfo("attn_result", ("batch", "pos", "n_heads", "d_model"), read_only=True),
         # A linear-attention (Gated DeltaNet) layer's own points (arch/qwen3_next.py says what each one is).
-        PointInfo("lin_q", ("batch", "pos", "n_lin_k_heads", "d_lin_k")),
-        PointInfo("lin_k", ("batch", "pos", "n_lin_k_heads", "d_lin_k")),
-        PointInfo("lin_v", ("batch", "pos", "n_lin_v_heads", "d_lin_v")),
-        PointInfo("lin_beta", ("batch", "pos", "n_lin_v_heads")),
-        PointInfo("lin_g", ("batch", "pos", "n_lin_v_heads")),
+        PointInfo("lin_q", ("batch", "pos", "n_lin_k_heads", "d_lin_k"), eager_only_read=True),
+        PointInfo("lin_k", ("batch", "pos", "n_lin_k_heads", "d_lin_k"), eager_only_read=True),
+        PointInfo("lin_v", ("batch", "pos", "n_lin_v_heads", "d_lin_v"), eager_only_read=True),
+        PointInfo("lin_beta", ("batch", "pos", "n_lin_v_heads"), eager_only_read=True),
+        PointInfo("lin_g", ("batch", "pos", "n_lin_v_heads"), eager_only_read=True),
         PointInfo("lin_z", ("batch", "pos", "n_lin_v_heads", "d_lin_v")),
         PointInfo("lin_out", ("batch", "pos", "n_lin_v_heads", "d_lin_v")),
         PointInfo("attn_out", _RESID),

@@ -68,7 +68,7 @@ class Taps:
            splices: tuple[DeclaredSAE, ...] = ()) -> "Taps":
         reads = declare(static_points, n_layers, keyword="static_points")
         writes = tuple(dict.fromkeys((*declare(static_writes, n_layers, keyword="static_writes"), *clamps)))
-        eager_only = [str(a) for a in writes if a.info.eager_only_write or a.info.read_only]
+        eager_only = [str(a) for a in writes if a.info.eager_only_write or a.info.read_only or a.info.eager_only_read]
         if eager_only:
             raise SpecError(fix(f"static_writes={eager_only}: these points can be written only on the eager backend.",
                                 "drop them from static_writes; edit them with backend=\"eager\"."))

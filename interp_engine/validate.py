@@ -37,6 +37,10 @@ def feature_shape(address: Address, dims: Dims, width: int) -> tuple[int, ...]:
 # Per eager-only point: what the vLLM backends never form, and what to read there instead.
 _EAGER_ONLY = {
     "expert_out": ("each expert's output apart from the weighted sum", "mlp_out (their weighted sum) and expert_weights"),
+    **{p: (f"a Gated DeltaNet's {what} outside its one custom op (the convolution, the gating and the delta rule "
+           "run inside it, on its cached state)", "lin_out and lin_z (what its gated norm receives) or attn_out")
+       for p, what in (("lin_q", "queries"), ("lin_k", "keys"), ("lin_v", "values"), ("lin_beta", "write strength"),
+                       ("lin_g", "log decay"))},
 }
 # Per read-only point: why it cannot be written, and the fix ({L}: the layer).
 _EXPERTS = "write router_logits.{L} to change which experts are chosen, or mlp_out.{L} to change what they add."
@@ -70,7 +74,8 @@ def _resolve(address: Address, model, problems: list) -> Address | None:
     if resolved.info.eager_only_read and not model.capabilities.eager_only_reads:
         never, instead = _EAGER_ONLY[resolved.point]
         problems.append(BackendError(fix(
-            f"{resolved} is read on the eager backend only: {model.capabilities.backend}'s fused kernels never "
+            f"{resolved} is {'read' if resolved.info.read_only else 'read and written'} on the eager backend only: "
+            f"{model.capabilities.backend}'s fused kernels never "
             f"form {never}.", f'load with load_model({model.name!r}, backend="eager"), or read {instead} here.')))
         return None
     served = model.capabilities.served

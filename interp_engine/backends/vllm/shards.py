@@ -17,9 +17,9 @@ from interp_engine.arch.layers import config_value
 from interp_engine.backends.vllm import compat
 
 # How each point is sharded under tensor parallelism (points not listed are replicated).
-HEADS, KV_HEADS, NEURONS = "heads", "kv_heads", "neurons"
+HEADS, KV_HEADS, NEURONS, LIN_HEADS = "heads", "kv_heads", "neurons", "lin_v_heads"
 SHARDING = {"q": HEADS, "z": HEADS, "k": KV_HEADS, "v": KV_HEADS, "mlp_act": NEURONS, "mlp_pre": NEURONS,
-            "mlp_pre_linear": NEURONS}
+            "mlp_pre_linear": NEURONS, "lin_out": LIN_HEADS, "lin_z": LIN_HEADS}
 
 
 class Shards:
@@ -32,7 +32,10 @@ class Shards:
         self.size, self.rank = compat.tp_size(), compat.tp_rank()
         self.kv_total = config_value(config, "num_key_value_heads") or config.num_attention_heads
         heads, kv_heads, self.d_head = compat.attention_heads(attention) if attention is not None else (0, 0, 0)
-        self.local = {HEADS: heads, KV_HEADS: kv_heads, NEURONS: mlp_local or 0}
+        # A Gated DeltaNet's value heads split evenly over the ranks (vLLM's QwenGatedDeltaNetAttention).
+        lin = (getattr(config, "linear_num_value_heads", 0) or 0) // self.size
+        self.local = {HEADS: heads, KV_HEADS: kv_heads, NEURONS: mlp_local or 0, LIN_HEADS: lin}
+        self.d_lin = getattr(config, "linear_value_head_dim", 0) or 0
         self.replicas = max(1, self.size // self.kv_total)  # ranks holding each kv head when size > kv heads
         self.layers: tuple[Shards, ...] = ()  # per layer, where layers differ in widths (`at`)
 
@@ -55,6 +58,8 @@ class Shards:
         kind = SHARDING.get(point)
         if kind in (HEADS, KV_HEADS):
             return self.local[kind] * self.d_head
+        if kind == LIN_HEADS:
+            return self.local[kind] * self.d_lin
         return self.local[kind] if kind == NEURONS else self.widths.get(point, d_model)
 
     def shape(self, point: str, d_model: int) -> tuple[int, ...]:
@@ -64,6 +69,8 @@ class Shards:
             return (self.local[HEADS] * self.size, self.d_head)
         if kind == KV_HEADS:
             return (self.kv_total, self.d_head)
+        if kind == LIN_HEADS:
+            return (self.local[kind] * self.size, self.d_lin)
         return (self.local[NEURONS] * self.size,) if kind == NEURONS else (self.widths.get(point, d_model),)
 
     def sharded(self, point: str) -> bool:
@@ -77,8 +84,8 @@ class Shards:
     def present(self, point: str, x: Tensor) -> Tensor:
         """This rank's rows of `point` ([rows, ...] in the model's layout) -> the gathered rows."""
         kind = SHARDING.get(point)
-        if kind == HEADS:
-            return self.gather(x.reshape(len(x), self.local[HEADS], -1), 1)
+        if kind in (HEADS, LIN_HEADS):
+            return self.gather(x.reshape(len(x), self.local[kind], -1), 1)
         if kind == KV_HEADS:
             # With more ranks than kv heads each head is on `replicas` ranks: keep one copy of each.
             full = self.gather(x.reshape(len(x), self.local[KV_HEADS], -1), 1)
@@ -93,7 +100,7 @@ class Shards:
         if self.size == 1 or kind is None:
             return full
         local = self.local[kind]
-        if kind == HEADS:
+        if kind in (HEADS, LIN_HEADS):
             return full.narrow(1, self.rank * local, local)
         if kind == KV_HEADS:
             return full.narrow(1, (self.rank // self.replicas) * local, local)

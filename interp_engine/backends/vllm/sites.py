@@ -111,6 +111,9 @@ GATE_UP = Codec("gate_up", lambda args, kwargs, out: tuple(out[0].chunk(2, dim=-
                 lambda args, kwargs, out, new: (torch.cat(new, dim=-1), *out[1:]))
 # Attention's input, forward(q, k, v, ...) after rotary, each [rows, local heads * d_head].
 QKV = Codec("qkv", lambda args, kwargs, out: tuple(args[:3]), lambda args, kwargs, out, new: (*new, *args[3:]))
+# A Gated DeltaNet's gated norm, norm(out, z), each [rows, local value heads, d_lin_v].
+GATED_NORM = Codec("gated_norm", lambda args, kwargs, out: tuple(args[:2]),
+                   lambda args, kwargs, out, new: (*new, *args[2:]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +155,10 @@ SITES = (
     Site("kv_latent", "post", OUTPUT, ("kv_latent",)),
     Site("attention", "pre", QKV, ("q", "k", "v")),
     Site("o_proj", "pre", INPUT, ("z",)),
+    Site("z_out", "post", OUTPUT, ("z",)),
     Site("attn_out", "post", OUTPUT, ("attn_out",)),
+    Site("lin_norm", "pre", GATED_NORM, ("lin_out", "lin_z")),
+    Site("linear_attn", "post", OUTPUT, ("attn_out",)),
     Site("mid_norm", "pre", FUSED_IN, ("resid_mid",)),
     Site("mlp_in", "post", GATE_UP, ("mlp_pre", "mlp_pre_linear")),
     Site("mlp_down", "pre", INPUT, ("mlp_act",)),
@@ -176,8 +182,22 @@ def layer_sites(layout) -> tuple[Site, ...]:
 
 
 def module_of(site: Site, layout, root):
-    """The module a site hooks: `root` is a decoder layer (layer sites) or the model (model sites)."""
-    return root if not site.module else root.get_submodule(getattr(layout, site.module))
+    """The module a site hooks: `root` is a decoder layer (layer sites) or the model (model sites). None where the
+    layout has no such module, or this layer has not (a hybrid's layer has attention or a Gated DeltaNet)."""
+    return module_at(layout, site.module, root) if site.module else root
+
+
+def module_at(layout, field: str, root):
+    """The module `layout.<field>` names under `root`; None as in `module_of`."""
+    path = getattr(layout, field)
+    if path is None:
+        return None
+    try:
+        return root.get_submodule(path)
+    except AttributeError:
+        if layout.linear_attn is None:  # only a hybrid's layers differ: elsewhere a missing module is a wrong table
+            raise
+        return None
 
 
 def register(module, site: Site, transform: Callable[[Tensors], Tensors], when: Callable[[], bool] | None = None):

@@ -33,7 +33,8 @@ from interp_engine.backends.vllm import compat, wire
 from interp_engine.backends.vllm.patterns import record_patterns, sharing
 from interp_engine.backends.vllm.static_clamp import ClampTap
 from interp_engine.backends.vllm.static_splice import SpliceTap
-from interp_engine.backends.vllm.sites import FINAL, LOGITS, MODEL_SITES, Site, layer_sites, module_of, register
+from interp_engine.backends.vllm.sites import (FINAL, LOGITS, MODEL_SITES, Site, layer_sites, module_at, module_of,
+                                               register)
 from interp_engine.backends.vllm.derived import expert_weights, head_results, record
 from interp_engine.backends.vllm.layouts import layout_of
 from interp_engine.backends.vllm.worker import InterpExtension, StepState, WorkerCall
@@ -95,8 +96,8 @@ class StaticTaps:
         self.state = StepState(runner, calls)
         self.shards = shards = self.state.shards
         self.layers = layers = list(self.model.get_submodule(layout.layers))
-        # None under latent attention (DeepSeek): no Attention module, and no patterns to recompute.
-        self.attention = [layer.get_submodule(layout.attention) if layout.attention else None for layer in layers]
+        # None under latent attention (DeepSeek) and at a hybrid's Gated DeltaNet layers: no patterns there.
+        self.attention = [module_at(layout, "attention", layer) for layer in layers]
         self.d_model = compat.hidden_size(runner)
         self.sources = sources = self.state.sources  # a KV-shared layer's patterns need its source layer's k
 
@@ -229,7 +230,8 @@ def _tap_site(site: Site, root, layer: int | None, layout, bodies: dict[Address,
     """The tap of one site, if any of its points is tapped. Its structure is fixed here, at install: a traced
     hook cannot branch on a request."""
     chains = [tuple(bodies[a] for a in chain if a in bodies) for chain in site.addresses(layer)]
-    if not any(chains):
+    module = module_of(site, layout, root) if any(chains) else None
+    if module is None:  # nothing tapped here, or not in this layer
         return []
 
     def transform(xs):
@@ -240,7 +242,7 @@ def _tap_site(site: Site, root, layer: int | None, layout, bodies: dict[Address,
             out.append(x)
         return tuple(out)
 
-    return [register(module_of(site, layout, root), site, transform)]
+    return [register(module, site, transform)]
 
 
 class StaticExtension(InterpExtension):

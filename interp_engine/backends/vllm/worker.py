@@ -364,9 +364,9 @@ def _hook(site: Site, root, layer: int | None, layout, state: StepState, needed:
     routing = weights in needed and state.routing is not None
     result = Address("attn_result", layer) if site.points == ("z",) else None
     results = result in needed
-    if not any(chains) and not patterns and not logits and not routing and not results:
+    module = module_of(site, layout, root) if any(chains) or patterns or logits or routing or results else None
+    if module is None:  # nothing to do here, or not in this layer (a hybrid's other kind of mixer)
         return []
-    module = module_of(site, layout, root)
     shards = state.shards.layer(layer)
 
     def transform(xs):
