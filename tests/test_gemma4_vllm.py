@@ -106,5 +106,5 @@ def test_points_a_layer_lacks_are_refused_on_vllm_before_any_request(served):
 
 def test_a_point_a_layer_lacks_cannot_be_declared_on_vllm_static(tiny_path):
     """Refused at load, before any engine starts, naming the layers that have it."""
-    with pytest.raises(PointError, match="(?s)k.3 cannot be declared: layer 3 is a KV-shared layer.*k is at layers 0-1"):
+    with pytest.raises(PointError, match="(?s)k.3 cannot be declared for .*: layer 3 is a KV-shared layer.*k is at layers 0-1"):
         load_model(str(tiny_path(FAMILY)), backend="vllm-static", static_points=["q.3", "k.3"])
