@@ -229,7 +229,7 @@ class StepState:
     def touch(self, address: Address, x: Tensor, fresh: bool = False) -> Tensor:
         """x is [rows, ...]: apply each call's ops on its rows and record its reads. Out of place; returns x
         itself when nothing changed. `fresh`: x is the hook's own (a sum, logits), never modified in place."""
-        given = x
+        given, owned = x, False  # owned: x is this touch's own copy, which later calls' edits go into
         for active in self.active:
             call = active.call
             if not call.wants(address):
@@ -239,8 +239,12 @@ class StepState:
             edited = self.edit(active, address, mine)
             # One copy per read: index_select already made one, unless these rows are the whole step.
             self.keep(active, address, edited[0], copied=not (edited is mine and whole) or (fresh and x is given))
-            if edited is not mine:
-                x = edited[0].to(x.dtype) if whole else x.index_copy(0, active.rows, edited[0].to(x.dtype))
+            if edited is not mine and whole:
+                x, owned = edited[0].to(x.dtype), False
+            elif edited is not mine:
+                if not owned:  # one copy of the step's rows for every call that edits them, not one per call
+                    x, owned = x.clone(), True
+                x.index_copy_(0, active.rows, edited[0].to(x.dtype))
         return x
 
     @staticmethod
