@@ -10,6 +10,7 @@ leaves no process behind.
 
 import asyncio
 import json
+import os
 import threading
 
 import pytest
@@ -194,6 +195,59 @@ def test_a_call_failing_in_the_workers_fails_alone(engine):
     assert status["calls"] == 0 and status["hooks"] == 0, status
 
 
+def _served(engine, plan: Plan) -> tuple[list[int], "object"]:
+    """A server's steering job (a table asking for its failure as it happens, `wire.table(failures=True)`) run on
+    this engine, then answered as `serving._answered` answers it, without COLLECT: its new tokens and the job."""
+    import uuid
+
+    from vllm import SamplingParams
+    from vllm.inputs import tokens_input
+
+    from interp_engine.backends.vllm import serving, wire
+
+    runtime, call, spec = engine.runtime, uuid.uuid4().hex, plan.spec()
+    table = wire.table(call, spec.to_dict(), spec.fingerprint(), [], failures=True)
+    ids = list(_prompts(engine, PROMPT).ids[0])
+    runtime._attach(call)  # the call's engine, which RELEASE goes to
+    [out] = runtime._run(call, [tokens_input(ids, cache_salt=call)], [SamplingParams(
+        max_tokens=3, temperature=0.0, detokenize=False, ignore_eos=True, skip_reading_prefix_cache=True,
+        extra_args=wire.tag(call, 0, len(ids), table))], progress=False)
+    job = serving.Job(call, table, serving.Asked(plan))
+
+    class Client:  # the one method of the server's engine client that _answered calls, on this engine
+        async def collective_rpc(self, method, args=()):
+            return runtime._rpc(method, *args)
+
+    async def answer():
+        holding = serving.Holding()
+        serving._answered(Client(), holding, job)
+        await holding.releaser
+
+    asyncio.run(answer())
+    assert not os.path.exists(wire.result_path(call)), "the server deletes the job's file"
+    [status] = runtime.worker_status()
+    assert status["calls"] == 0 and status["hooks"] == 0, status
+    return list(out.outputs[0].token_ids), job
+
+
+@requires("vllm")
+def test_a_served_steering_job_failing_in_the_workers_is_answered_with_its_error_without_collect(engine):
+    """The server answers a job that only steers as its last request ends (no COLLECT, which waits for the step in
+    progress): a worker's failure must be in the job's file by then, and the table leave with the RELEASE after."""
+    plan = Plan(_bad_plan().ops, ())
+    _, job = _served(engine, plan)
+    assert isinstance(job.error, SpecError) and "Fix:" in str(job.error), repr(job.error)
+    assert "failed inside the vLLM workers (only it" in str(job.error)
+    assert "Add at resid_post.0 failed while the forward pass ran" in str(job.error)
+    good = S.Add("resid_post.0", torch.randn(128, generator=torch.Generator().manual_seed(3)) * 4)
+    tokens, job = _served(engine, Plan({good.point: (good,)}, ()))
+    assert job.error is None
+    steered, plain = (list(generate(engine, PROMPT, spec, max_new_tokens=3, stop_at_eos=False,
+                                    progress=False).tokens[0]) for spec in (good, None))
+    assert tokens == steered
+    assert tokens != plain, "the vector must change the tokens: the test checked nothing"
+
+
 @requires("vllm")
 @pytest.mark.parametrize("engine", ["vllm-static"], indirect=True)  # only its workers refuse a table
 def test_a_table_the_workers_refuse_gets_the_library_error(engine):
@@ -203,5 +257,7 @@ def test_a_table_the_workers_refuse_gets_the_library_error(engine):
     message = _library_error(lambda: engine.runtime.forward(_prompts(engine, PROMPT), plan, batch_size=1,
                                                             want_logits=False, progress=False))
     assert "the vLLM workers refused this call's table" in message and "resid_post.1" in message, message
+    _, job = _served(engine, Plan(plan.ops, ()))  # a server's steering job: the refusal is in its file
+    assert "the vLLM workers refused this call's table" in str(job.error) and "resid_post.1" in str(job.error)
     assert torch.equal(capture(engine, OTHER, ["resid_post.2"], progress=False)["resid_post.2"], solo)
     assert engine.runtime.is_alive() and engine.runtime.worker_status()[0]["calls"] == 0

@@ -52,8 +52,8 @@ async def run(handle, args, service: serving.Service) -> None:
     async with build_async_engine_client(args) as client:
         procs = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
         watching = asyncio.get_running_loop().create_task(server_watch.watch(client, procs))
-        await client.collective_rpc(serving.wire.ATTACH)  # once per engine, as offline
-        serving.wrap_generate(client)
+        hosts = await client.collective_rpc(serving.wire.ATTACH)  # once per engine, as offline
+        serving.wrap_generate(client, local=serving.wire.same_host(hosts[0]))
         app = build_app(args, await client.get_supported_tasks(), compat.client_model_config(client))
         # Innermost: vLLM's own middleware (the API-key check first) sees a request before we parse its body.
         app.user_middleware.append(Middleware(Interp, service=service, n_layers=handle.n_layers))

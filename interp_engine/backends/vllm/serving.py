@@ -141,7 +141,8 @@ class Service:
         compiled, saes = sae_refs.referenced(spec, spec.to_dict())
         sae_refs.fits(saes, sae_refs.bound())
         call = uuid.uuid4().hex
-        table = wire.table(call, compiled, spec.fingerprint(), asked.reads, lens=asked.lens)
+        table = wire.table(call, compiled, spec.fingerprint(), asked.reads, lens=asked.lens,
+                           failures=not asked.plan.reads)
         return Job(call, table, asked, saes=saes)
 
 
@@ -183,11 +184,15 @@ class Holding:
     held: sae_refs.Held = dataclasses.field(default_factory=sae_refs.Held)
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
     in_flight: set[str] = dataclasses.field(default_factory=set)
+    local: bool = True  # rank 0 runs on this host: a steering job's failure comes back as a file (`_answered`)
+    releasing: list[str] = dataclasses.field(default_factory=list)  # answered steering jobs, tables to remove
+    releaser: "asyncio.Future | None" = None
 
 
-def wrap_generate(engine) -> None:
-    """Make `engine.generate` (vLLM's AsyncLLM, called by its serving code once per prompt) run the request's job."""
-    plain, holding = engine.generate, Holding()
+def wrap_generate(engine, *, local: bool = True) -> None:
+    """Make `engine.generate` (vLLM's AsyncLLM, called by its serving code once per prompt) run the request's job.
+    `local`: the engine's rank 0 shares this host (`InterpExtension.ie_attach`'s answer)."""
+    plain, holding = engine.generate, Holding(local=local)
 
     def generate(prompt, sampling_params, request_id, *args, **kwargs):
         job = JOB.get()
@@ -228,7 +233,10 @@ async def _tabled(engine, plain, holding: Holding, job: Job, index: int, prompt,
         job.finished += 1
         # vLLM's serving code calls generate for every prompt before it reads any: the last to end collects,
         # shielded: a client that hangs up cancels its request's task, and the table must leave the workers.
-        if job.finished == job.started:
+        # A job that only steers has nothing to collect: it is answered at once (`_answered`).
+        if job.finished == job.started and holding.local and not job.asked.plan.reads:
+            _answered(engine, holding, job)
+        elif job.finished == job.started:
             await asyncio.shield(_collect(engine, holding, job))
 
 
@@ -261,6 +269,35 @@ async def _collect(engine, holding: Holding, job: Job) -> None:
         holding.in_flight.discard(job.call)
         if os.path.exists(path):
             os.unlink(path)
+
+
+def _answered(engine, holding: Holding, job: Job) -> None:
+    """A steering job's end, without a round trip to the engine, which would wait for the step in progress to
+    end (a step of latency per request, and a slot of the batch left empty, under load). A worker that failed
+    the call wrote why where we look, as its ops ran, before the step's outputs left it (`calls.py`); its table
+    leaves the workers afterwards, with those of the jobs that end meanwhile, in one RPC."""
+    path = wire.result_path(job.call)
+    holding.in_flight.discard(job.call)  # its requests have ended: its SAEs are not needed any more
+    try:
+        if os.path.exists(path):
+            wire.decode(path)  # a failure file: raises the call's error
+    except InterpEngineError as e:
+        job.error = e
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+    holding.releasing.append(job.call)
+    if holding.releaser is None or holding.releaser.done():
+        holding.releaser = asyncio.ensure_future(_release(engine, holding))
+
+
+async def _release(engine, holding: Holding) -> None:
+    while holding.releasing:
+        calls, holding.releasing = holding.releasing, []
+        try:
+            await engine.collective_rpc(wire.RELEASE, args=tuple(calls))
+        except Exception:  # a dead engine holds no tables (the health endpoint says it is dead)
+            holding.releasing.clear()
 
 
 def encode_captures(job: Job, n_layers: int, limit: int) -> dict[str, Any]:

@@ -86,15 +86,16 @@ def prefill_requests(call: str, prompts: "Prompts", table: dict) -> tuple[list, 
 
 # ------------------------------------------------------------------------------------------- tables
 
-def table(call: str, spec: dict, fingerprint: str, reads, *, width: int = 0, lens=(), prompts: int = 0
-          ) -> dict[str, Any]:
+def table(call: str, spec: dict, fingerprint: str, reads, *, width: int = 0, lens=(), prompts: int = 0,
+          failures: bool = False) -> dict[str, Any]:
     """A call's table: its id, its spec (`Spec.to_dict`, already validated by the driver, with its
     fingerprint), the addresses it reads, the padded width of pattern rows, the addresses it lenses, and, for a
     prefill call, how many prompts it has: the workers hand its results back at `result_path(call)` (on the
-    driver's host) once every prompt's last position has run."""
+    driver's host) once every prompt's last position has run. `failures` (a call that only steers): a worker
+    on the driver's host writes the call's failure there as it happens (`calls.py`), and is never collected."""
     return {"call": call, "spec": spec, "fingerprint": fingerprint, "reads": [str(a) for a in reads],
-            "width": width, "lens": [str(a) for a in lens], "prompts": prompts,
-            "path": result_path(call) if prompts else "", "host": host()}
+            "width": width, "lens": [str(a) for a in lens], "prompts": prompts, "failures": failures,
+            "path": result_path(call) if prompts or failures else "", "host": host()}
 
 
 # ------------------------------------------------------------------------------------------- failures

