@@ -90,3 +90,28 @@ def test_the_result_files_of_drivers_that_no_longer_run_are_swept_and_live_ones_
         for path in (orphan, mine, other):
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def test_a_result_file_reserved_before_or_after_its_write_is_the_same_safetensors_file():
+    """The driver reserves a call's file while the workers compute (`results.reserve`): whether the reservation
+    lands before the worker's write (the usual order), after it (a fast step), or is too small or too large,
+    the file reads back as written, by safetensors' own reader too, and counts as written only once written."""
+    records = _records()
+    reference = wire.encode(records)  # bytes: no file involved
+    expected = {k: v.clone() for k, v in wire.decode(reference).items()}
+    for name, before, after in (("usual", 1 << 20, 0), ("small", 100, 0), ("late", 0, 1 << 20)):
+        path = wire.result_path(f"reserved-{name}")
+        try:
+            if before:
+                results.reserve(path, before)
+                assert os.path.getsize(path) == 0 and not results.written(path)
+            wire.encode(records, path=path)
+            if after:
+                results.reserve(path, after)
+            assert results.written(path) and os.path.getsize(path) == len(reference)
+            assert set(load_file(path)) <= set(expected)
+            flat = wire.decode(path)
+            assert flat.keys() == expected.keys() and all(torch.equal(flat[k], v) for k, v in expected.items())
+        finally:
+            os.unlink(path)
+    assert not results.written(wire.result_path("never-reserved"))

@@ -3,10 +3,13 @@
 Worker: each step's rows of every call (device copies) leave the device together, in one copy into pinned
 host memory (`to_host`); on the CPU they are host tensors already and are kept as they are. At the call's end
 its chunks are written as one file (`write`) in safetensors' layout, chunk after chunk, never joined first.
-Driver: the file is mapped, and every tensor is a view of that one mapping: no copy, whatever the number of
-addresses (the tensors stay valid after the file is deleted; they hold its pages while they live).
+Driver: while the workers compute, it allocates the file's memory ahead (`reserve`, sized from the last result
+of the same kind), so the worker's write fills pages already there; then the file is mapped, and every tensor
+is a view of that one mapping: no copy, whatever the number of addresses (the tensors stay valid after the file
+is deleted; they hold its pages while they live).
 """
 
+import functools
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -63,8 +66,10 @@ def write(target, tensors: Mapping[str, Sequence[Tensor]], metadata: Mapping[str
     text += b" " * (-len(text) % 8)
     buffers: Iterable = (c.contiguous().view(torch.uint8).numpy() for n in names for c in tensors[n] if c.numel())
     if isinstance(target, str):
-        with open(target, "wb") as f:
+        # Not truncated first: that would free the memory the driver may have reserved for it (`reserve`).
+        with os.fdopen(os.open(target, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
             _write(f, text, buffers)
+            f.truncate()
     else:
         _write(target, text, buffers)
 
@@ -77,6 +82,38 @@ def _write(f, text: bytes, buffers: Iterable) -> None:
 
 
 # ------------------------------------------------------------------------------------------- driver
+
+def reserve(path: str, nbytes: int) -> None:
+    """Allocate a result file's memory before its worker writes it (the driver does, while the workers compute),
+    its size left as it is (FALLOC_FL_KEEP_SIZE): the file stays empty until written, and the worker then writes
+    into pages already there instead of allocating each one. Best effort: where the OS cannot, nothing happens."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        if (fallocate := _fallocate()) is not None:
+            fallocate(fd, 1, 0, max(nbytes, 0))  # 1: FALLOC_FL_KEEP_SIZE; a refusal (ENOSPC...) leaves it to the worker
+    finally:
+        os.close(fd)
+
+
+@functools.cache
+def _fallocate():
+    import ctypes
+
+    try:
+        call = ctypes.CDLL(None, use_errno=True).fallocate
+    except (AttributeError, OSError):  # not Linux's libc
+        return None
+    call.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+    return call
+
+
+def written(path: str) -> bool:
+    """Whether a worker has written the result file at `path` (a reserved one is empty until then)."""
+    try:
+        return os.path.getsize(path) > 0
+    except OSError:
+        return False
+
 
 def read(source: str | bytes) -> tuple[dict[str, Tensor], dict[str, str]]:
     """(tensors, metadata) of a safetensors file (a path) or its bytes, every tensor a view of one buffer: the

@@ -6,7 +6,6 @@ that fails releases its table in the workers, so nothing outlives the call."""
 
 import collections
 import contextlib
-import dataclasses
 import os
 import threading
 import uuid
@@ -20,11 +19,13 @@ from torch import Tensor
 from interp_engine.addresses import Address
 from interp_engine.arch import Arch, Dims
 from interp_engine.backends.base import TokenizerRuntime
-from interp_engine.backends.vllm import compat, engine, wire
+from interp_engine.backends.vllm import compat, engine, results, wire
+from interp_engine.backends.vllm.call_requests import CallRequests
 from interp_engine.backends.vllm.capabilities import for_handle
 from interp_engine.backends.vllm.compat import resource_tracker_pid
 from interp_engine.backends.vllm.life import EngineLife, shut_down_error
 from interp_engine.backends.vllm.procs import close_children, deferred_interrupt, environ, exited, running
+from interp_engine.backends.vllm.result_sizes import ResultSizes
 from interp_engine.backends.vllm.weights import fetch as fetch_weights
 from interp_engine.backends.vllm.wire import assemble, flatten
 from interp_engine.errors import BackendError, LoadError, fix
@@ -41,18 +42,6 @@ _LIVE_LOCK = threading.Lock()
 STREAM_DEPTH = 2  # chunks a stream keeps in the engine at once: the one being finished and the next, behind it
 
 
-@dataclasses.dataclass
-class _Requests:
-    """One call's requests in the engine: their ids (ours, `wire.request_id`), those not finished yet, and the
-    outputs of those that finished. Whichever thread is stepping the engine hands each output to its call."""
-
-    call: str
-    ids: list[str] = dataclasses.field(default_factory=list)
-    waiting: set[str] = dataclasses.field(default_factory=set)
-    outputs: dict[str, Any] = dataclasses.field(default_factory=dict)
-    life: EngineLife | None = None  # the engine they were added to: the call never moves to another one
-
-
 class VllmRuntime(TokenizerRuntime):
     def __init__(self, *, source: str | Path, name: str, backend: str, arch: Arch, dims: Dims, dtype: torch.dtype,
                  num_gpus: int, engine_kwargs: Mapping[str, Any], tokenizer, taps: Taps | None = None):
@@ -66,12 +55,13 @@ class VllmRuntime(TokenizerRuntime):
         # One thread talks to the engine at a time (vLLM's sync client is not thread-safe), a step or an RPC at a
         # time. Calls from several threads interleave there, so their requests share vLLM's batches.
         self._engine_lock = threading.Lock()
-        self._owners: dict[str, _Requests] = {}  # request id -> its call, until its output arrives
+        self._owners: dict[str, CallRequests] = {}  # request id -> its call, until its output arrives
         # Bumped by unload: a call that entered before a shutdown() fails rather than load the engine again.
         self._epoch, self._entered = 0, threading.local()
         self._life: EngineLife | None = None  # the live engine's processes, watchdog and guard
         self._calls: dict[str, EngineLife] = {}  # call id -> the engine its table went to, until collected
         self._attached = None  # the engine whose workers adopt tables from requests (ATTACH, once per engine)
+        self._sizes = ResultSizes()  # result files reserved ahead, off the worker's path
 
     @property
     def is_loaded(self) -> bool:
@@ -207,7 +197,10 @@ class VllmRuntime(TokenizerRuntime):
         call = uuid.uuid4().hex
         with self._table(call):
             table = self._install(call, plan, reads, width=max(prompts.lengths), lens=lens, prompts=len(prompts))
-            self._run(call, *wire.prefill_requests(call, prompts, table), progress=progress and len(prompts) > 1)
+            tokens = sum(prompts.lengths)
+            self._run(call, *wire.prefill_requests(call, prompts, table), progress=progress and len(prompts) > 1,
+                      then=lambda: self._sizes.reserve(table, tokens))
+            self._sizes.learn(table, tokens)
             blob = self._collect(call)
         records = assemble(blob, reads or list(lens), prompts.lengths, lens=bool(lens))
         logits = records.get(LOGITS) if want_logits else None  # the workers hand back every position's logits
@@ -224,20 +217,23 @@ class VllmRuntime(TokenizerRuntime):
         next. Yields each chunk's reads as flat rows, [its tokens, ...], prompt after prompt, in chunk order."""
         del batch_size  # vLLM's scheduler batches
         source = iter(chunks)
-        flight: collections.deque[tuple[_Requests, Prompts, tuple[Address, ...]]] = collections.deque()
+        flight: collections.deque[tuple[CallRequests, Prompts, tuple[Address, ...]]] = collections.deque()
+        tables: dict[str, dict] = {}
         try:
             while True:
                 while len(flight) < STREAM_DEPTH and (item := next(source, None)) is not None:
                     prompts, plan = item
-                    requests = _Requests(uuid.uuid4().hex)
+                    requests = CallRequests(uuid.uuid4().hex)
                     flight.append((requests, prompts, tuple(plan.reads)))
-                    table = self._install(requests.call, plan, list(plan.reads), width=max(prompts.lengths),
-                                          prompts=len(prompts))
+                    table = tables[requests.call] = self._install(requests.call, plan, list(plan.reads),
+                                                                  width=max(prompts.lengths), prompts=len(prompts))
                     self._submit(requests, *wire.prefill_requests(requests.call, prompts, table))
+                    self._sizes.reserve(table, sum(prompts.lengths))
                 if not flight:
                     return
                 requests, prompts, reads = flight[0]
                 self._finish(requests)
+                self._sizes.learn(tables.pop(requests.call), sum(prompts.lengths))
                 blob = self._collect(requests.call)
                 flight.popleft()
                 yield prompts, flatten(blob, reads, prompts.lengths)
@@ -284,7 +280,7 @@ class VllmRuntime(TokenizerRuntime):
         """Rank 0's records: the file a prefill call was handed back in, else COLLECT's (a generation, another host)."""
         path = wire.result_path(call)
         try:
-            if os.path.exists(path):  # handed back as its last position ran: the workers hold nothing of it
+            if results.written(path):  # handed back as its last position ran: the workers hold nothing of it
                 self._calls.pop(call, None)
                 return wire.decode(path)
             return wire.decode(wire.result(self._rpc(wire.COLLECT, call, path, wire.host())))
@@ -332,19 +328,22 @@ class VllmRuntime(TokenizerRuntime):
     def worker_saes(self) -> list[dict]:  # per worker: the SAEs it holds (sae_refs.held)
         return self._rpc(wire.SAES) if self.llm is not None and self.capabilities.points else []
 
-    def _run(self, call: str, inputs: list, params: list, *, progress: bool) -> list:
-        """Add the call's requests, step the engine until all have finished; their outputs, in order. On any
-        exception (a KeyboardInterrupt included) its unfinished requests are aborted: they reach no other call."""
-        requests = _Requests(call)
+    def _run(self, call: str, inputs: list, params: list, *, progress: bool, then=None) -> list:
+        """Add the call's requests, run `then()` (the driver's work while they compute), step the engine until all
+        have finished; their outputs, in order. On any exception (a KeyboardInterrupt included) its unfinished
+        requests are aborted: they reach no other call."""
+        requests = CallRequests(call)
         try:
             self._submit(requests, inputs, params)
+            if then is not None:
+                then()
             self._finish(requests, progress=progress)
         except BaseException:
             self._abort(requests)
             raise
         return [requests.outputs[i] for i in requests.ids]
 
-    def _submit(self, requests: _Requests, inputs: list, params: list) -> None:
+    def _submit(self, requests: CallRequests, inputs: list, params: list) -> None:
         if requests.life is None:
             requests.life = self._calls.get(requests.call) or self._attach(None)
         llm = requests.life.llm
@@ -357,7 +356,7 @@ class VllmRuntime(TokenizerRuntime):
                 self._owners[request] = requests
                 compat.add_request(llm, request, prompt, param)
 
-    def _finish(self, requests: _Requests, *, progress: bool = False) -> None:
+    def _finish(self, requests: CallRequests, *, progress: bool = False) -> None:
         """Step the engine until these requests have finished. Another thread's call may be stepping it too: each
         step's finished outputs go to the call owning them, so calls share batches and wait only for the step."""
         from interp_engine.progress import bar as progress_bar
@@ -380,7 +379,7 @@ class VllmRuntime(TokenizerRuntime):
                             owner.outputs[out.request_id] = out
                 bar.update(len(requests.outputs) - bar.n)
 
-    def _abort(self, requests: _Requests) -> None:
+    def _abort(self, requests: CallRequests) -> None:
         """Take this call's unfinished requests out of the engine."""
         with contextlib.suppress(Exception), self._engine_lock:  # the original error matters more
             for request in requests.ids:

@@ -1,0 +1,39 @@
+"""How large a call's result file will be, from the last one of its kind: the driver reserves that much memory
+for it while the workers compute (`results.reserve`), off the worker's path."""
+
+import contextlib
+import os
+
+from interp_engine.backends.vllm import results
+
+KINDS = 64  # kinds of call remembered per engine, most recent kept
+
+
+class ResultSizes:
+    """Per engine: bytes per prompt token of the last result file of each kind of prefill call (its spec's
+    fingerprint, reads and lens: what sets a row's bytes). A first call of its kind reserves nothing."""
+
+    def __init__(self):
+        self._per_token: dict[tuple, float] = {}
+
+    def reserve(self, table: dict, tokens: int) -> None:
+        if table.get("path") and (per := self._per_token.get(_kind(table))) is not None:
+            with contextlib.suppress(OSError):  # best effort: the worker allocates what is not reserved
+                results.reserve(table["path"], int(per * tokens))
+
+    def learn(self, table: dict, tokens: int) -> None:
+        """After the call's outputs arrived, before its file is read (and deleted)."""
+        try:
+            size = os.path.getsize(table["path"]) if table.get("path") else 0
+        except OSError:
+            return
+        if size and tokens:
+            kind = _kind(table)
+            self._per_token.pop(kind, None)
+            self._per_token[kind] = size / tokens
+            while len(self._per_token) > KINDS:
+                self._per_token.pop(next(iter(self._per_token)))
+
+
+def _kind(table: dict) -> tuple:
+    return table["fingerprint"], tuple(table["reads"]), tuple(table["lens"])
