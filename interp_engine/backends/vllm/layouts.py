@@ -33,7 +33,7 @@ def shards_of(runner, layout) -> Shards:
     down = next((compat.input_width(layer.get_submodule(layout.mlp_down)) for layer in layers
                  if layout.mlp_down is not None and has_module(layer, layout.mlp_down)), 0)
     # A hybrid's first layers may be Gated DeltaNets: head counts are read at its first attention layer.
-    first = next(layer for layer in layers if layout.linear_attn is None or not hasattr(layer, layout.linear_attn))
+    first = next(layer for layer in layers if layout.linear_attn is None or not has_module(layer, layout.linear_attn))
     attention = first.get_submodule(layout.attention) if layout.attention is not None else None
     dims = read_dims(config, table_for(config))
     shards = Shards(config, attention, down, dims.n_experts, dims.d_latent)
