@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from interp_engine.arch import Arch, Dims, _registry, check_sizes, read_dims
+from interp_engine.arch import Arch, Dims, check_sizes, read_dims, table_for
 from interp_engine.arch.aliases import ALIASES
 from interp_engine.errors import InputTypeError, LoadError, fix
 from interp_engine.sizing_tables import LAYOUTS, SCHEMES, WRAPPERS, Scheme
@@ -97,7 +97,7 @@ def to_config(config: Any):
 
 def read_sizes(config) -> Dims:
     """The dims the sizer prices, whether or not the family has an arch table (`d_mlp_keys` from its layout)."""
-    arch = _registry().get(config.model_type) or Arch(family=config.model_type, model_types=(config.model_type,),
+    arch = table_for(config) or Arch(family=config.model_type, model_types=(config.model_type,),
                                                        layers="", final_norm="", unembed="",
                                                        d_mlp_keys=LAYOUTS[config.model_type].d_mlp_keys)
     return read_dims(config, arch)
@@ -108,19 +108,19 @@ def check_shape(config) -> None:
     layout = LAYOUTS[config.model_type]
     keys = {"kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "moe_intermediate_size",
             "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
-            "linear_conv_kernel_dim", "n_routed_experts", "num_local_experts", "num_experts", "num_experts_per_tok"}
+            "linear_conv_kernel_dim", "n_routed_experts", "num_local_experts", "num_experts", *_TOP_K}
     names = {n for lin in layout.linears for n in (lin.d_in, lin.d_out, lin.times)}
     needed = {k for k in keys if getattr(config, k, None) is not None
               or (layout.cache == "latent" and k in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
                                                      "v_head_dim"))
               or ("lin_conv" in names and k.startswith("linear_"))
-              or ("n_experts" in names and k == "num_experts_per_tok")}
+              or ("n_experts" in names and _experts(config) and k == _TOP_K[config.model_type == "gemma4_text"])}
     problems = [f"{k}={getattr(config, k, None)!r}" for k in sorted(needed)
                 if isinstance(getattr(config, k, None), bool) or not isinstance(getattr(config, k, None), int)
                 or getattr(config, k) < 1]
     experts = _experts(config)
-    if "n_experts" in names and experts and not problems and config.num_experts_per_tok > experts:
-        problems.append(f"num_experts_per_tok={config.num_experts_per_tok} > {experts} experts")
+    if "n_experts" in names and experts and not problems and _top_k(config) > experts:
+        problems.append(f"{_TOP_K[config.model_type == 'gemma4_text']}={_top_k(config)} > {experts} experts")
     types = getattr(config, "layer_types", None)
     if types is not None and (len(types) != config.num_hidden_layers
                               or not set(types) <= {*_ATTENTION_TYPES, "linear_attention"}):
@@ -132,9 +132,19 @@ def check_shape(config) -> None:
                             "and layer_types has one of full_attention/sliding_attention/linear_attention per layer."))
 
 
+# The config key of how many experts a token runs: Gemma 4's own name, everyone else's.
+_TOP_K = ("num_experts_per_tok", "top_k_experts")
+
+
 def _experts(config) -> int:
+    if config.model_type == "gemma4_text" and not getattr(config, "enable_moe_block", False):
+        return 0  # HF builds no experts without the flag, whatever num_experts says
     return next((v for k in ("n_routed_experts", "num_local_experts", "num_experts")
                  if isinstance(v := getattr(config, k, None), int)), 0)
+
+
+def _top_k(config) -> int:
+    return getattr(config, _TOP_K[config.model_type == "gemma4_text"], 0) or 0
 
 
 def layer_kinds(config, n_layers: int) -> Counter[frozenset[str]]:
@@ -200,7 +210,7 @@ def count_params(config: Any) -> ParamCount:
     """Parameters of `AutoModelForCausalLM.from_config(config)` from the config alone; tied weights count once."""
     config = to_config(config)
     layout, d = LAYOUTS[config.model_type], read_sizes(config)
-    width, top_k = widths(config, d), getattr(config, "num_experts_per_tok", 0) or 0
+    width, top_k = widths(config, d), _top_k(config)
     kinds = layer_kinds(config, d.n_layers)
     # (d_in, d_out, bias, matrices per layer, routed, replicated, layers): one entry per kind of layer
     linears = [(width[lin.d_in], width[lin.d_out], _flag(config, lin.bias), width[lin.times] if lin.times else 1,

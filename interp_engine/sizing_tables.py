@@ -160,16 +160,18 @@ LAYOUTS.update({
 # computes its own (not the last num_kv_shared_layers), a global layer's v only without attention_k_eq_v; q/k norms
 # per head (v's norm has no weight); the double-wide MLP of a KV-shared layer; per-layer inputs: a gate and a
 # projection and a norm per layer, and outside the layers their packed embedding, projection from the token
-# embedding and norm.
+# embedding and norm. The MoE block (26B-A4B, "moe" layers): a replicated router with a d_model scale and a
+# per-expert scale, the routed experts (gate_up fused: the same parameters), and three more norms.
 _GEMMA4_PLE = (Linear("d_model", "ple"), Linear("ple", "d_model"))
 LAYOUTS["gemma4_text"] = Layout(
     (Linear("d_model", "q", where="local"), Linear("d_model", "q_global", where="global"),
      Linear("d_model", "kv", where="kv_own_local"), Linear("d_model", "kv", where="kv_own_local"),
      Linear("d_model", "kv_global", where="kv_own_global"), Linear("d_model", "kv_global", where="global_v"),
      Linear("q", "d_model", where="local"), Linear("q_global", "d_model", where="global"))
-    + _gated("d_mlp", where="narrow") + _gated("2d_mlp", where="wide") + _GEMMA4_PLE,
+    + _gated("d_mlp", where="narrow") + _gated("2d_mlp", where="wide") + _GEMMA4_PLE + _SPARSE,
     (_RMS,) * 4 + (Norm(when="hidden_size_per_layer_input"), Norm("d_head", where="local"), Norm("d_head_global", where="global"),
-                   Norm("d_head", where="kv_own_local"), Norm("d_head_global", where="kv_own_global")),
+                   Norm("d_head", where="kv_own_local"), Norm("d_head_global", where="kv_own_global"))
+    + (Norm(where="moe"),) * 4 + (Norm("n_experts", where="moe"),),
     _RMS, cache="own", outside=(("vocab_ple", "ple_all"), ("d_model", "ple_all"), ("one", "ple")))
 # Multimodal checkpoints whose config.json wraps the text model the sizer prices (the vision tower is left out).
 WRAPPERS = ("kimi_k25", "qwen3_5")

@@ -14,7 +14,9 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gpt2", "gpt_neox", 
 DISCOVERED = ("stablelm", "granite")
 # Tiny configs of families with their own test module (the family-parametrized tests assume one head width and a
 # softmax router): built by name too (the validator takes them by name), not in FAMILIES.
-OWN_MODULE = ("gemma4_text", "deepseek_v3")
+OWN_MODULE = ("gemma4_text", "gemma4_moe", "deepseek_v3")
+# Tiny configs named other than their model type.
+_MODEL_TYPE = {"gemma4_moe": "gemma4_text"}
 
 # A short corpus is enough: the tokenizer only needs real merges so that text round-trips.
 _CORPUS = """
@@ -108,6 +110,16 @@ _BASE: dict[str, dict[str, Any]] = {
                         num_kv_shared_layers=2, use_double_wide_mlp=True, sliding_window=8,
                         layer_types=["sliding_attention", "full_attention"] * 2, final_logit_softcapping=30.0,
                         max_position_embeddings=512, tie_word_embeddings=True),
+    # Gemma 4 26B-A4B's layout scaled down: no per-layer inputs and no KV-shared layers, global layers 64 wide with
+    # one KV head whose v is its k (sliding: 32, two), its 5:1 sliding:global pattern cut to 2:1; in every layer a
+    # dense MLP (3/4 d_model wide, as there) and beside it the experts (128 top-8 cut to 8 top-2, each 1/4
+    # d_model wide), per-expert scales set away from HF's ones after building.
+    "gemma4_moe": dict(hidden_size=128, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=32, global_head_dim=64, num_global_key_value_heads=1,
+                       attention_k_eq_v=True, hidden_size_per_layer_input=0, num_kv_shared_layers=0,
+                       enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=32,
+                       sliding_window=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                       final_logit_softcapping=30.0, max_position_embeddings=512, tie_word_embeddings=True),
     # DeepSeek-V3's layout scaled down (Kimi-K2's is the same with 384 experts, n_group 1): a q latent, a KV latent
     # and three head widths that all differ (non-rotary q/k 32, rotary 16, v 24), interleaved YaRN rotary (factor
     # 40 from 4096 positions, mscale 1: the softmax scale grows); layer 0 dense, then 8 routed experts in 4 groups,
@@ -204,12 +216,17 @@ def build_tiny_model(
                    pad_token_id=tokenizer.pad_token_id)
     kwargs = {**_BASE[family], **special, "vocab_size": len(tokenizer),
               "initializer_range": initializer_range, **(overrides or {})}
-    config = AutoConfig.for_model(family, **kwargs)
+    config = AutoConfig.for_model(_MODEL_TYPE.get(family, family), **kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     for name, buffer in model.named_buffers():
         if name.endswith("e_score_correction_bias"):  # DeepSeek's router: zeros would leave its bias untested
             buffer.copy_(0.05 * torch.randn(buffer.shape, generator=torch.Generator().manual_seed(seed)))
+    scales = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("per_expert_scale"):  # Gemma 4's router: ones would leave the scales untested
+                param.uniform_(0.5, 1.5, generator=scales)
     if train_steps:
         _fit(model, tokenizer, train_steps)
     model.save_pretrained(str(out))

@@ -1,19 +1,17 @@
 """Gemma 4 (text) on eager: per-layer head widths (global layers 64 wide with one KV head whose v is its k, sliding
 32 wide with two), per-layer inputs, KV-shared last layers with a double-wide MLP. Every point against HF's own
 outputs and its own attention interface on a model interp_engine never touched; writes against HF with its weights
-changed or its own modules hooked; what a layer lacks, a vector of another layer's width, and the MoE block refused
-before any forward. Its own module, not in tiny.FAMILIES: the family-parametrized tests assume one head width. The
+changed or its own modules hooked; what a layer lacks, a vector of another layer's width, and MoE points on this
+dense model refused before any forward (the MoE block: test_gemma4_moe.py). Its own module, not in tiny.FAMILIES: the family-parametrized tests assume one head width. The
 `vllm` backend against eager: test_gemma4_vllm.py."""
 
-import json
-import shutil
 
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.gemma4 import modeling_gemma4
 
-from interp_engine import capture, generate, load_model, run_with_grad, steer
+from interp_engine import capture, generate, run_with_grad, steer
 from interp_engine import spec as S
 from interp_engine.errors import InterpEngineError
 from interp_engine.validate import feature_shape
@@ -166,7 +164,7 @@ def test_a_k_edit_holds_through_generation(eager):
     assert tuple(forced.tolist()) == out.tokens[0]
 
 
-def test_what_a_layer_lacks_and_other_widths_are_refused_before_any_forward(eager, tiny_path, tmp_path):
+def test_what_a_layer_lacks_and_other_widths_are_refused_before_any_forward(eager):
     model = eager(FAMILY)
     ran = []
     hook = model.runtime.model.register_forward_pre_hook(lambda m, a: ran.append(1))
@@ -190,15 +188,6 @@ def test_what_a_layer_lacks_and_other_widths_are_refused_before_any_forward(eage
     assert {"k.0", "k.1", "q.3", "z.3", "mlp_act.3", "attn_result.3"} <= points and not {"k.2", "v.3"} & points
     with pytest.raises(InterpEngineError, match="differ in head width"):
         model.weights
-    # The MoE block: refused at load, before any weight is read.
-    folder = tmp_path / "moe"
-    shutil.copytree(tiny_path(FAMILY), folder)
-    config = json.loads((folder / "config.json").read_text())
-    config.update(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
-    (folder / "config.json").write_text(json.dumps(config))
-    (folder / "model.safetensors").write_bytes(b"not weights")
-    with pytest.raises(InterpEngineError, match="(?s)sets enable_moe_block.*Fix: use a dense Gemma 4"):
-        load_model(str(folder), backend="eager", device="cpu")
 
 
 def test_sdpa_equals_eager(eager):

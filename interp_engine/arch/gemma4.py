@@ -21,8 +21,15 @@ global layers as `layer_types` says, plus:
   layer_scalar; read resid_post minus resid_mid minus mlp_out (with layer_scalar 1) to get it.
   `resid_mid` is written by shifting attn_out (`Arch.mlp_tail`), since the block does more than add the MLP's
   output to it.
-- The MoE block (`enable_moe_block`, the 26B-A4B checkpoint: experts beside the dense MLP, a router with its own
-  norm and per-expert scale) is refused at load (`Arch.unserved`).
+- The MoE block (`enable_moe_block`, the 26B-A4B checkpoint): in every layer, experts beside the dense MLP. The
+  router (`router`) reads resid_mid itself (a scale-free RMS norm, times its `scale` and 1/sqrt(d_model)) and
+  its `proj` makes the logits (`router_logits`, hooked there: HF's router then chooses from what the hook
+  returns, as it would from its own); softmax, top k, renormalised, times `per_expert_scale` of the chosen
+  experts (`expert_weights`). The experts read `pre_feedforward_layernorm_2(resid_mid)`; `expert_out` is each
+  chosen expert's output before the weighted sum. mlp_out is post_feedforward_layernorm's output:
+  post_feedforward_layernorm(post_feedforward_layernorm_1(dense MLP) + post_feedforward_layernorm_2(experts)).
+  The dense MLP keeps its points (mlp_pre, mlp_pre_linear, mlp_act). A dense config has no experts
+  (`Moe.enabled_key`: `table_for` drops them).
 
 TransformerLens-shaped weights are not served: the layers' head widths differ and KV-shared layers have no k or v
 projections. attn_result is each head's z times its rows of the layer's own o_proj (`Arch.o_proj`), before the
@@ -33,16 +40,20 @@ their buffers and gathers follow each layer's own widths: `Shards.layers`).
 import dataclasses
 
 from interp_engine.arch import VllmLayout, gemma2
+from interp_engine.arch.routing import Moe
 
 # Where the points sit in vLLM 0.32's gemma4.py (Gemma4ForCausalLM), checked against its module tree in
 # tests/test_gemma4.py. Its layers take (positions, hidden, None, per_layer_input) and return (stream, None)
 # ("first"); the norms are plain, each output added by the layer itself (no fused add-norm), so resid_mid is the
 # input of `pre_feedforward_layernorm`, which is also the tensor the layer adds the MLP's output to (written in
 # place: sites.STREAM_SHARED); a KV-shared layer's Attention is called as (q, None, None), reading its source
-# layer's cache, so its patterns are recomputed from that layer's keys (`layers.kv_sources`).
+# layer's cache, so its patterns are recomputed from that layer's keys (`layers.kv_sources`). The MoE block's
+# `router` returns the logits alone, which its experts' custom routing function (softmax, top k, renormalised,
+# times per_expert_scale) chooses from.
 VLLM = VllmLayout(layers="model.layers", final_norm="model.norm", attention="self_attn.attn", o_proj="self_attn.o_proj",
                   attn_out="post_attention_layernorm", mlp_out="post_feedforward_layernorm", mlp_down="mlp.down_proj",
-                  mlp_in="mlp.gate_up_proj", mid_norm="pre_feedforward_layernorm", stream_out="first")
+                  mlp_in="mlp.gate_up_proj", mid_norm="pre_feedforward_layernorm", stream_out="first",
+                  router="router")
 
 ARCHES = (dataclasses.replace(
     gemma2.ARCHES[0], family="gemma4", model_types=("gemma4_text",), vllm=VLLM, normalization="rmsnorm",
@@ -51,7 +62,7 @@ ARCHES = (dataclasses.replace(
     weights_refusal="a model whose layers differ in head width and whose KV-shared layers have no k or v "
                     "projections",
     o_proj="self_attn.o_proj",
-    unserved=(("enable_moe_block", "Gemma 4's mixture-of-experts block (experts beside the dense MLP, a router "
-                                   "with its own norm and per-expert scale) has no table yet",
-               "use a dense Gemma 4 checkpoint (E2B, E4B, 31B), or read the HF model's own outputs."),),
+    moe=Moe(router="router.proj", n_experts_key="num_experts", top_k_key="top_k_experts", renormalize=True,
+            experts="experts", enabled_key="enable_moe_block", dense_mlp=True,
+            expert_scale="router.per_expert_scale"),
 ),)

@@ -11,7 +11,11 @@ class Moe:
     The router's first output is the router logits; the experts take the softmax's top k, renormalised to sum
     to 1 where `renormalize` says (a config key, or True for always). `top_k_first`: the router takes the top k
     of the logits and softmaxes those (GPT-OSS): the same weights as the renormalised softmax's top k, not the
-    same rounding, and a zero edit must change nothing."""
+    same rounding, and a zero edit must change nothing.
+
+    Gemma 4 (26B-A4B) is all three below: its experts exist only where a config flag says (`enabled_key`), run
+    beside a dense MLP whose points stay (`dense_mlp`), and their renormalised weights are multiplied by a learned
+    per-expert scale after the choice (`expert_scale`)."""
 
     router: str  # relative to a layer: the gate module
     n_experts_key: str
@@ -23,12 +27,22 @@ class Moe:
     grouped: bool = False
     # Layers below this config key's value are dense MLPs (DeepSeek's first_k_dense_replace); None: none is.
     dense_first_key: str | None = None
+    enabled_key: str | None = None  # a config flag without which the family's models are dense; None: always
+    dense_mlp: bool = False  # every layer also runs a dense MLP beside the experts (mlp_act etc. are its points)
+    expert_scale: str | None = None  # relative to a layer: a per-expert scale the chosen weights are multiplied by
 
-    def routing(self, config, gate=None) -> tuple:
-        """(top k, renormalised, top k first[, Grouped]) as this config (and, grouped, the gate module's correction
-        bias) sets them: `route`'s arguments after the logits."""
+    def enabled(self, config) -> bool:
+        """Whether this config has the experts (a dense checkpoint of a family that has MoE ones has not)."""
+        return self.enabled_key is None or bool(getattr(config, self.enabled_key, False))
+
+    def routing(self, config, gate=None, layer=None) -> tuple:
+        """(top k, renormalised, top k first[, Grouped][, per-expert scale]) as this config (and, grouped, the gate
+        module's correction bias; scaled, the decoder layer's per-expert scale) sets them: `route`'s arguments
+        after the logits."""
         renormalize = self.renormalize if isinstance(self.renormalize, bool) else getattr(config, self.renormalize)
         plain = (getattr(config, self.top_k_key), bool(renormalize), self.top_k_first)
+        if self.expert_scale is not None:
+            return (*plain, None, layer.get_parameter(self.expert_scale))
         if not self.grouped:
             return plain
         return (*plain, Grouped(config.n_group, config.topk_group, config.routed_scaling_factor,
@@ -47,11 +61,12 @@ class Grouped:
     bias: object  # the gate's e_score_correction_bias, [n_experts] float32
 
 
-def route(logits, top_k: int, renormalize: bool, top_k_first: bool = False, grouped: Grouped | None = None):
+def route(logits, top_k: int, renormalize: bool, top_k_first: bool = False, grouped: Grouped | None = None,
+          scale=None):
     """(weights, indices) of the chosen experts from router logits, as HF's routers and vLLM's top-k compute them:
     softmax in float32, top k, renormalised to sum to 1 where the family does (or the softmax of the top k
-    logits, `top_k_first`; or DeepSeek's grouped sigmoid routing, op for op as HF's). One semantics for every
-    backend."""
+    logits, `top_k_first`; or DeepSeek's grouped sigmoid routing, op for op as HF's), then times the chosen
+    experts' entries of `scale` (Gemma 4's per-expert scale, [n_experts]). One semantics for every backend."""
     import torch
 
     if grouped is not None:
@@ -62,6 +77,8 @@ def route(logits, top_k: int, renormalize: bool, top_k_first: bool = False, grou
     weights, indices = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    if scale is not None:
+        weights = weights * scale.to(weights.device)[indices]
     return weights.to(logits.dtype), indices
 
 

@@ -183,11 +183,11 @@ class Layout:
 
         def block(i: int) -> Block:
             layer, kinds = layers[i], dims.layer_kinds[i] if dims.layer_kinds else ()
-            # A dense layer of a mixture-of-experts model has no router; an MoE layer no dense MLP.
+            # A dense layer of a mixture-of-experts model has no router; an MoE layer no dense MLP (Gemma 4's has).
             sparse = moe is not None and "dense" not in kinds
-            dense = moe is None or "dense" in kinds
+            dense = moe is None or "dense" in kinds or moe.dense_mlp
             gate = layer.get_submodule(moe.router) if sparse else None
-            router = Router(gate, moe.routing(config, gate), layer.get_submodule(moe.experts)) if sparse else None
+            router = Router(gate, moe.routing(config, gate, layer), layer.get_submodule(moe.experts)) if sparse else None
             mlp = (lambda p: at(layer, p)) if dense else (lambda p: None)
             # A linear-attention layer has no softmax attention; its Gated DeltaNet's output is attn_out.
             linear = at(layer, arch.linear_attention) if "linear_attention" in kinds else None
@@ -347,25 +347,30 @@ def _mid_hooks(block: Block, i: int, run: Run) -> list:
 
 
 def _router_hooks(block: Block, i: int, run: Run) -> list:
-    """router_logits and expert_weights, at the gate's output: HF's routers return (logits, weights, indices)
+    """router_logits and expert_weights, at the gate's output: most HF routers return (logits, weights, indices)
     computed from the logits inside one forward, so an edit chooses again from the edited logits, as the router
-    would have. expert_out at the experts' input: each of the k chosen experts run alone with weight 1 (the
+    would have; Gemma 4's gate (its router's projection) returns the logits alone, and its router chooses from what
+    the hook returns. expert_out at the experts' input: each of the k chosen experts run alone with weight 1 (the
     experts module's own forward, k more times), in the router's top-k order."""
     at, weights_at, out_at, router = _at("router_logits", i), _at("expert_weights", i), _at("expert_out", i), block.router
     shape: list = []
 
-    def mlp_in(module, args):  # the gate sees the rows flat; the point is [batch, pos, n_experts]
-        shape[:] = args[0].shape[:-1]
+    def layer_in(module, args, kwargs):  # the gate sees the rows flat; the point is [batch, pos, n_experts]
+        shape[:] = (args[0] if args else kwargs["hidden_states"]).shape[:-1]
 
     def gate_out(module, args, out):
-        logits = out[0]
+        logits = _first(out)
         x = logits.view(*shape, logits.shape[-1])
         edited = run.touch(at, x)
         flat = edited.reshape(logits.shape)
-        chosen = tuple(out[1:]) if edited is x else route(flat, *router.routing)
+        alone = not isinstance(out, tuple)  # the logits alone: the router chooses from what this hook returns
+        if run.wants(weights_at) or (edited is not x and not alone):
+            chosen = tuple(out[1:]) if edited is x and not alone else route(flat, *router.routing)
         if run.wants(weights_at):
             run.touch(weights_at, dense_weights(*chosen, logits.shape[-1]).to(x.dtype).view(x.shape))
-        return None if edited is x else (flat, *chosen)
+        if edited is x:
+            return None
+        return flat if alone else (flat, *chosen)
 
     def experts_in(module, args):
         # Highest weight first: the top-k order of the softmax routers; DeepSeek's returns its choice unsorted.
@@ -374,7 +379,7 @@ def _router_hooks(block: Block, i: int, run: Run) -> list:
         each = [module.forward(rows, chosen[:, j:j + 1], ones) for j in range(chosen.shape[-1])]
         run.touch(out_at, torch.stack(each, dim=1).view(*shape, chosen.shape[-1], rows.shape[-1]))
 
-    handles = [block.mlp_out.register_forward_pre_hook(mlp_in)]
+    handles = [block.layer.register_forward_pre_hook(layer_in, with_kwargs=True)]
     if run.wants(at) or run.wants(weights_at):
         handles.append(router.gate.register_forward_hook(gate_out))
     if run.wants(out_at):
