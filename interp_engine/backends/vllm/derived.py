@@ -13,13 +13,15 @@ class Unserved(Exception):
 
 
 def routing_of(runner):
-    """For a mixture-of-experts model, a layer's gate module -> `route`'s arguments after the logits (DeepSeek's
-    take the gate's own correction bias); None for a dense model."""
+    """For a mixture-of-experts model, (a layer's gate module, the layer) -> `route`'s arguments after the logits
+    (DeepSeek's take the gate's own correction bias, Gemma 4's the layer's per-expert scale); None for a dense
+    model."""
     from interp_engine.arch import table_for
 
     config = compat.hf_config(runner)
     arch = table_for(config)  # a discovered model has no experts (and no table: never discovered again here)
-    return (lambda gate: arch.moe.routing(config, gate)) if arch is not None and arch.moe is not None else None
+    return (lambda gate, layer: arch.moe.routing(config, gate, layer)) if arch is not None and arch.moe is not None \
+        else None
 
 
 def expert_weights(logits, routing: tuple):

@@ -220,8 +220,8 @@ class StaticTaps:
 
     def _derive(self, address: Address, x: Tensor) -> Tensor:
         if address.point == "expert_weights":
-            gate = self.layers[address.layer].get_submodule(self.layout.router)
-            return expert_weights(x, self.state.routing(gate))
+            layer = self.layers[address.layer]
+            return expert_weights(x, self.state.routing(layer.get_submodule(self.layout.router), layer))
         o_proj = self.layers[address.layer].get_submodule(self.layout.o_proj)
         return head_results(self.shards.layer(address.layer), x, o_proj)
 

@@ -356,7 +356,7 @@ def _hook(site: Site, root, layer: int | None, layout, state: StepState, needed:
             if logits:  # all ranks compute (the vocab-parallel gather is a collective); rank 0's copy is kept
                 state.touch(LOGITS, model.compute_logits(edited), fresh=True)
             if routing:  # the weights vLLM's top-k takes from these (edited) logits, recomputed
-                state.touch(weights, expert_weights(edited, state.routing(module)), fresh=True)
+                state.touch(weights, expert_weights(edited, state.routing(module, root)), fresh=True)
             if results:  # each head's share of what o_proj makes of this (edited) z
                 record(state, result, lambda: head_results(shards, edited, module))
             full[point] = edited
