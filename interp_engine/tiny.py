@@ -14,7 +14,7 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gpt2", "gpt_neox", 
 DISCOVERED = ("stablelm", "granite")
 # Tiny configs of families with their own test module (the family-parametrized tests assume one head width and a
 # softmax router): built by name too (the validator takes them by name), not in FAMILIES.
-OWN_MODULE = ("gemma4_text", "gemma4_moe", "deepseek_v3")
+OWN_MODULE = ("gemma4_text", "gemma4_moe", "deepseek_v3", "qwen3_next")
 # Tiny configs named other than their model type.
 _MODEL_TYPE = {"gemma4_moe": "gemma4_text"}
 
@@ -230,7 +230,8 @@ def build_tiny_model(
     if train_steps:
         _fit(model, tokenizer, train_steps)
     model.save_pretrained(str(out))
-    (out / "interp_engine_tiny.json").write_text(json.dumps({"family": family, "seed": seed}))
+    (out / "interp_engine_tiny.json").write_text(json.dumps({"family": family, "seed": seed,
+                                                             "overrides": dict(overrides or {})}))
     return out
 
 

@@ -20,13 +20,14 @@ import torch
 from interp_engine import BackendError, PointError, SpecError, capture, load_model
 from interp_engine import spec as S
 from interp_engine.addresses import POINTS
+from interp_engine.arch.vllm_cpu import CPU_SHAPES
 from interp_engine.backends.vllm.runtime import _LIVE
 from interp_engine.tiny import build_tiny_model
 from tests.conftest import PROMPTS, no_child_survives
 from tests.skips import requires
 
 pytestmark = requires("vllm")
-WIDE = {"linear_key_head_dim": 128, "linear_value_head_dim": 128}
+WIDE = CPU_SHAPES["qwen3_next"]
 EAGER_ONLY = ("lin_q", "lin_k", "lin_v", "lin_beta", "lin_g", "expert_out")
 # Per point, |vLLM - eager| over every layer, prompt and position, relative to max |eager| there (bf16 both).
 # Measured on this model, vllm / vllm num_gpus=2 / vllm-static: max at most 0.090 / 0.108 / 0.058 and mean at most

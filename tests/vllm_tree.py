@@ -7,6 +7,7 @@ import sys
 
 _SCRIPT = """
 import importlib, json, socket, sys, torch
+exec(sys.argv.pop())  # the caller's prelude (a test-only import shim), before vLLM is imported
 from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
 from vllm.distributed import init_distributed_environment, initialize_model_parallel
 path, module, name, dtype, overrides = sys.argv[1:]
@@ -24,11 +25,13 @@ print(json.dumps({name: [type(m).__name__, getattr(m, "kv_sharing_target_layer_n
 """
 
 
-def module_tree(path, module: str, name: str, dtype: str = "float32", overrides: dict | None = None):
+def module_tree(path, module: str, name: str, dtype: str = "float32", overrides: dict | None = None,
+                prelude: str = ""):
     """({module path: class name}, {attention path: the layer whose KV cache it reads, where shared}) of vLLM's
-    `vllm.model_executor.models.<module>.<name>` built from the model folder at `path`."""
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(path), module, name, dtype, json.dumps(overrides or {})],
-                          capture_output=True, text=True, timeout=300)
+    `vllm.model_executor.models.<module>.<name>` built from the model folder at `path`. `prelude`: Python run in
+    the child before vLLM is imported."""
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(path), module, name, dtype, json.dumps(overrides or {}),
+                           prelude], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     tree = json.loads(proc.stdout.strip().splitlines()[-1])
     return {k: v[0] for k, v in tree.items()}, {k: v[1] for k, v in tree.items() if v[1]}

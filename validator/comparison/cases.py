@@ -111,6 +111,12 @@ def route_read(dims: Dims) -> Address:
     return Address("expert_weights", steer_layer(dims))
 
 
+def router_reads(dims: Dims) -> list[Address]:
+    """The router logits at every layer: read beside each forward of a family whose tolerance has `near_tie`
+    (tolerances.py), to tell which prompts chose other experts than eager, and at what margin."""
+    return [Address("router_logits", i) for i in range(dims.n_layers)] if dims.n_experts else []
+
+
 def lens_points(dims: Dims, served: Collection[str] | None = None) -> list[Address]:
     layer = steer_layer(dims)
     every = [Address("embed"), *(Address("resid_post", i) for i in range(dims.n_layers)),

