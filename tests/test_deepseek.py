@@ -35,6 +35,7 @@ def _hooked(ref, tokens):
     for i, layer in enumerate(ref.model.layers):
         hooks.append(layer.self_attn.kv_a_layernorm.register_forward_hook(keep("latent", i)))
         hooks.append(layer.self_attn.o_proj.register_forward_hook(keep("z", i, "in")))
+        hooks.append(layer.self_attn.o_proj.register_forward_hook(keep("attn", i)))
         hooks.append(layer.mlp.register_forward_hook(keep("mlp", i)))
         if i == 0:
             for name in ("gate_proj", "up_proj"):
@@ -86,6 +87,8 @@ def test_every_point_matches_hf_and_the_latent_attention_by_hand(eager, hf_refer
             _close(torch.einsum("bhqk,bkhd->bqhd", at("attn_probs"), at("v")), at("z"))
             _close(at("z").flatten(2), seen[("z", i)])
             _close(attn.o_proj(at("z").flatten(2)), at("attn_out"))
+            # attn_result: each head's share of o_proj's output (no bias), summing to HF's attention output.
+            _close(at("attn_result").sum(2), seen[("attn", i)])
             _close(at("resid_mid") + at("mlp_out"), at("resid_post"))
             _close(at("mlp_out"), seen[("mlp", i)])
             if i == 0:
@@ -144,7 +147,7 @@ def test_points_a_layer_lacks_are_refused_before_any_forward_naming_the_layers_t
     try:
         with pytest.raises(InterpEngineError) as err:
             capture(model, model.to_tokens(PROMPTS[0]), ["router_logits.0", "expert_out.0", "mlp_act.1",
-                                                           "mlp_pre.2", "kv_latent.3", "attn_result.1"])
+                                                           "mlp_pre.2", "kv_latent.3", "expert_out.3"])
         with pytest.raises(InterpEngineError, match="(?s)holds the latent.*Fix: edit kv_latent.1"):
             generate(model, model.to_tokens(PROMPTS[0]), S.Scale("k.1", 0.5), max_new_tokens=2)
     finally:
@@ -157,7 +160,7 @@ def test_points_a_layer_lacks_are_refused_before_any_forward_naming_the_layers_t
     assert "kv_latent.3 does not exist" in text and "3 layers" in text
     points = {str(a) for a in model.points()}
     assert {"mlp_act.0", "router_logits.1", "kv_latent.2"} <= points
-    assert not {"mlp_act.1", "router_logits.0", "expert_out.0", "attn_result.0"} & points
+    assert not {"mlp_act.1", "router_logits.0", "expert_out.0"} & points and "attn_result.0" in points
 
 
 def _remote_code(folder, marker, config_class):

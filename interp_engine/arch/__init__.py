@@ -142,7 +142,7 @@ class Arch:
                        "sigmoid output gate (the second half of q_proj's output) before o_proj.",
                        "read attn_out (what attention adds to the residual stream), or z and the gate: "
                        "self_attn.q_proj's output viewed as [n_heads, 2 * d_head], each head's second half.")
-        if point == "attn_result" and (self.moe is not None or self.kv_latent is not None):
+        if point == "attn_result" and (self.moe is not None or self.kv_latent is not None) and self.o_proj is None:
             return fix(f"attn_result is not served for {self.family}: it is computed from TransformerLens-shaped "
                        "W_O, which is not read for mixture-of-experts or latent-attention models.",
                        "read z and multiply by each head's slice of self_attn.o_proj.weight (its columns "

@@ -62,4 +62,5 @@ ARCHES = (dataclasses.replace(
     d_head_v_keys=("v_head_dim",),
     kv_latent="self_attn.kv_a_layernorm",
     d_latent_key="kv_lora_rank",
+    o_proj="self_attn.o_proj",  # attn_result's W_O, read from the layer (TransformerLens-shaped weights are not)
 ),)
