@@ -252,6 +252,11 @@ def plan(model, spec: Spec, reads: Iterable[Address], *, n_prompts: int, longest
         if address.info.read_only:
             why, how = _READ_ONLY[address.point]
             problems.append(SpecError(fix(f"{address} is read-only: {why}.", how.format(L=address.layer))))
+        if address.point in capabilities.read_only:
+            problems.append(BackendError(fix(
+                f"{address} is read-only on backend=\"{capabilities.backend}\" for {model.arch.family}: "
+                f"{capabilities.read_only_why}.",
+                f'load with load_model({model.name!r}, backend="eager") to edit {address.point}.')))
         if address.info.eager_only_write and not capabilities.eager_only_writes:
             problems.append(BackendError(fix(f"{address} can be written only on the eager backend.",
                                              'use backend="eager" to edit it.')))

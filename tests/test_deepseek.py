@@ -35,6 +35,7 @@ def _hooked(ref, tokens):
     for i, layer in enumerate(ref.model.layers):
         hooks.append(layer.self_attn.kv_a_layernorm.register_forward_hook(keep("latent", i)))
         hooks.append(layer.self_attn.o_proj.register_forward_hook(keep("z", i, "in")))
+        hooks.append(layer.self_attn.o_proj.register_forward_hook(keep("attn", i)))
         hooks.append(layer.mlp.register_forward_hook(keep("mlp", i)))
         if i == 0:
             for name in ("gate_proj", "up_proj"):
@@ -86,6 +87,8 @@ def test_every_point_matches_hf_and_the_latent_attention_by_hand(eager, hf_refer
             _close(torch.einsum("bhqk,bkhd->bqhd", at("attn_probs"), at("v")), at("z"))
             _close(at("z").flatten(2), seen[("z", i)])
             _close(attn.o_proj(at("z").flatten(2)), at("attn_out"))
+            # attn_result: each head's share of o_proj's output (no bias), summing to HF's attention output.
+            _close(at("attn_result").sum(2), seen[("attn", i)])
             _close(at("resid_mid") + at("mlp_out"), at("resid_post"))
             _close(at("mlp_out"), seen[("mlp", i)])
             if i == 0:
@@ -144,7 +147,7 @@ def test_points_a_layer_lacks_are_refused_before_any_forward_naming_the_layers_t
     try:
         with pytest.raises(InterpEngineError) as err:
             capture(model, model.to_tokens(PROMPTS[0]), ["router_logits.0", "expert_out.0", "mlp_act.1",
-                                                           "mlp_pre.2", "kv_latent.3", "attn_result.1"])
+                                                           "mlp_pre.2", "kv_latent.3", "expert_out.3"])
         with pytest.raises(InterpEngineError, match="(?s)holds the latent.*Fix: edit kv_latent.1"):
             generate(model, model.to_tokens(PROMPTS[0]), S.Scale("k.1", 0.5), max_new_tokens=2)
     finally:
@@ -157,7 +160,7 @@ def test_points_a_layer_lacks_are_refused_before_any_forward_naming_the_layers_t
     assert "kv_latent.3 does not exist" in text and "3 layers" in text
     points = {str(a) for a in model.points()}
     assert {"mlp_act.0", "router_logits.1", "kv_latent.2"} <= points
-    assert not {"mlp_act.1", "router_logits.0", "expert_out.0", "attn_result.0"} & points
+    assert not {"mlp_act.1", "router_logits.0", "expert_out.0"} & points and "attn_result.0" in points
 
 
 def _remote_code(folder, marker, config_class):
@@ -206,16 +209,19 @@ def test_kimi_configs_load_as_deepseek_v3_without_running_their_code(shape, tiny
     assert not marker.exists()
 
 
-def test_vllm_static_refuses_declaring_what_mla_never_forms_or_a_layer_lacks_before_anything_loads(tiny_path):
+def test_vllm_static_refuses_declaring_a_write_mla_never_takes_or_a_layer_lacks_before_anything_loads(tiny_path):
     from interp_engine import load_model
 
     with pytest.raises(InterpEngineError) as err:
         load_model(str(tiny_path(FAMILY)), backend="vllm-static",
-                   static_points=["q.1", "attn_probs.2", "router_logits.0", "kv_latent.1", "mlp_act.0"])
+                   static_points=["q.1", "k.1", "attn_probs.2", "router_logits.0", "kv_latent.1", "mlp_act.0"],
+                   static_writes=["k.1", "v.2", "q.2"])
     text = str(err.value)
-    assert "q.1 cannot be declared" in text and "attn_probs.2 cannot be declared" in text, text
-    assert "never forms per-head q, k and v" in text and "layer 0 is a dense MLP" in text, text
-    assert "kv_latent.1 cannot" not in text and "mlp_act.0 cannot" not in text, text
+    assert "k.1 cannot be declared" in text and "v.2 cannot be declared" in text, text
+    assert "read-only here" in text and "expands k and v from the cached latent" in text, text
+    assert "router_logits.0 cannot be declared" in text and "layer 0 is a dense MLP" in text, text
+    for fine in ("q.1", "q.2", "attn_probs.2", "kv_latent.1", "mlp_act.0"):
+        assert f"{fine} cannot" not in text, (fine, text)
 
 
 def test_vllm_cpus_drift_is_its_rotary_kernel_as_measured():
@@ -264,8 +270,8 @@ def test_a_latent_edit_holds_through_generation_and_sdpa_equals_eager(eager):
 @requires("slow")  # 30 s; tests/test_deepseek_vllm.py runs the table on a live engine in CI
 def test_the_vllm_table_names_modules_of_vllms_own_deepseek_tree(tiny_path):
     """The vLLM site table (deepseek_v3.VLLM) against vLLM 0.32's own module tree for the tiny config, layer by
-    layer (layer 0 dense, the others MoE), and why q, k, v and the patterns are not served: no Attention(q, k, v)
-    module, the latent attention module instead."""
+    layer (layer 0 dense, the others MoE): no Attention(q, k, v) module, the MLA attention module (where q, k and v
+    are unpacked from its input) and o_proj (whose input is z) instead."""
     from interp_engine.arch.deepseek_v3 import VLLM as table
 
     # The real latent (512 + 64): vLLM's MLA takes no other.
@@ -274,11 +280,12 @@ def test_the_vllm_table_names_modules_of_vllms_own_deepseek_tree(tiny_path):
     assert tree[table.layers] == "ModuleList" and table.final_norm in tree
     for i in range(3):
         at = lambda path: f"{table.layers}.{i}.{path}"  # noqa: E731
-        for path in (table.attn_out, table.mlp_out, table.mid_norm, table.kv_latent):
+        for path in (table.attn_out, table.mlp_out, table.mid_norm, table.kv_latent, table.o_proj):
             assert at(path) in tree, at(path)
+        assert tree[at(table.mla)] == "MLAAttention" and at(table.mla.rsplit(".", 1)[0] + ".kv_b_proj") not in tree
         for path in (table.mlp_down, table.mlp_in):
             assert (at(path) in tree) == (i == 0), at(path)
         assert (at(table.router) in tree) == (i > 0)
         attention = {name: kind for name, kind in tree.items() if name.startswith(at("self_attn."))}
         assert "MLAAttention" in attention.values() and "Attention" not in attention.values(), attention
-    assert table.attention is None and {"q", "k", "v", "attn_probs"} <= set(table.refused_points)
+    assert table.attention is None and table.refused_points == () and table.read_only == ("k", "v")

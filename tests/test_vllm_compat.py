@@ -78,7 +78,7 @@ def test_every_site_names_a_module_of_every_vllm_layout():
     split = lambda site: {p for chain in site.points for p in chain.split(">")}  # noqa: E731
     for arch in archs.values():
         # Every point the family serves on vLLM has a site whose module its layout names; a point it lacks (MoE:
-        # mlp_act) or its vLLM implementation never forms (DeepSeek's latent attention: q, k, v) needs none.
+        # mlp_act) or its vLLM implementation never forms (`VllmLayout.refused_points`) needs none.
         named = set().union(*(split(s) for s in SITES if s.module == "" or isinstance(getattr(arch.vllm, s.module), str)))
         served = {p for s in SITES for p in split(s) if not arch.lacks(p) and p not in arch.vllm.refused_points}
         assert served <= named, (arch.family, served - named)

@@ -36,6 +36,10 @@ class VllmLayout:
     # Points the family has on eager that its vLLM implementation never forms, and why (the refusal says it).
     refused_points: tuple[str, ...] = ()
     refused_why: str = ""
+    # Points served there for reading only, and why (the refusal of a write says it).
+    read_only: tuple[str, ...] = ()
+    read_only_why: str = ""
+    mla: str | None = None  # latent attention's MLAAttention: forward(q, latent, k_pe) after rotary (sites.LATENT_QKV)
     z_out: str | None = None  # a module whose output is z (gated attention: o_proj reads z * sigmoid(gate))
     # Hybrid linear attention: at a layer that has it instead of `attn_out`, the Gated DeltaNet (its output is
     # attn_out there), and its gated norm, called as norm(lin_out, lin_z).

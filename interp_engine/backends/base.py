@@ -52,6 +52,10 @@ class Capabilities:
     # Why the points outside `served` are not served on this backend though the family has them (DeepSeek's latent
     # attention on vLLM); None: the architecture lacks them.
     refused_why: str | None = None
+    # Points served for reading only on this backend though they are written on eager (DeepSeek's k and v on vLLM),
+    # and why.
+    read_only: frozenset[str] = frozenset()
+    read_only_why: str = ""
     eager_only_reads: bool = False  # points with eager_only_read are readable (expert_out)
 
     def serves(self, verb: str) -> bool:
@@ -68,7 +72,7 @@ class Capabilities:
         """Whether a resolved address is writable on this handle (what `validate.plan` accepts for an Add)."""
         return (self.points and (self.patterns or not address.info.needs_eager_attention)
                 and (self.eager_only_writes or not address.info.eager_only_write) and not address.info.read_only
-                and (self.served is None or address.point in self.served)
+                and (self.served is None or address.point in self.served) and address.point not in self.read_only
                 and (self.taps is None or address in self.taps.writes))
 
 

@@ -236,6 +236,18 @@ def attention_heads(attention) -> tuple[int, int, int]:
     return attention.num_heads, attention.num_kv_heads, attention.head_size
 
 
+def latent_heads(mla) -> tuple[int, int, int]:
+    """(heads, q/k head width, v head width) of an `MLAAttention` module on this rank."""
+    return mla.num_heads, mla.qk_head_dim, mla.v_head_dim
+
+
+def expand_latent(mla, latent):
+    """Each local head's non-rotary key and value, [rows, local heads, width], from the normed latent: its
+    `kv_b_proj`, as vLLM's MLA prefill expands them."""
+    kv = mla.kv_b_proj(latent)[0].view(len(latent), mla.num_heads, -1)
+    return kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
+
+
 def attention_scale(attention) -> float:
     return attention.impl.scale
 

@@ -29,14 +29,16 @@ def shards_of(runner, layout) -> Shards:
     layers = compat.model(runner).get_submodule(layout.layers)
     if layout.attention is None and layout.mlp_down is None:  # a discovered layout: the stream only, none sharded
         return Shards(config)
-    # The first layer with a dense MLP (DeepSeek's MoE layers have none); attention absent under latent attention.
+    # The first layer with a dense MLP (DeepSeek's MoE layers have none); `mla` instead of attention under latent
+    # attention.
     down = next((compat.input_width(layer.get_submodule(layout.mlp_down)) for layer in layers
                  if layout.mlp_down is not None and has_module(layer, layout.mlp_down)), 0)
     # A hybrid's first layers may be Gated DeltaNets: head counts are read at its first attention layer.
     first = next(layer for layer in layers if layout.linear_attn is None or not has_module(layer, layout.linear_attn))
     attention = first.get_submodule(layout.attention) if layout.attention is not None else None
+    latent = first.get_submodule(layout.mla) if layout.mla is not None else None
     dims = read_dims(config, table_for(config))
-    shards = Shards(config, attention, down, dims.n_experts, dims.d_latent)
+    shards = Shards(config, attention, down, dims.n_experts, dims.d_latent, latent)
     if dims.layer_sizes:  # layers of their own widths (Gemma 4): each layer's own modules say its shards
         shards.layers = tuple(shards.at(one.get_submodule(layout.attention), dims.at(i).n_kv_heads,
                                         compat.input_width(one.get_submodule(layout.mlp_down)))

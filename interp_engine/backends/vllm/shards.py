@@ -23,15 +23,22 @@ SHARDING = {"q": HEADS, "z": HEADS, "k": KV_HEADS, "v": KV_HEADS, "mlp_act": NEU
 
 
 class Shards:
-    def __init__(self, config, attention=None, mlp_local: int | None = None, n_experts: int = 0, d_latent: int = 0):
+    def __init__(self, config, attention=None, mlp_local: int | None = None, n_experts: int = 0, d_latent: int = 0,
+                 latent=None):
         """`attention`: one layer's Attention module (local head counts); `mlp_local`: mlp_act features on this
         rank. Either may be omitted where the caller never shards that kind of point. `n_experts`: the width of
         router_logits (replicated: every rank's gate computes every expert's logit); `d_latent`: kv_latent's
-        (replicated: kv_a_proj_with_mqa and its norm are whole on every rank)."""
+        (replicated: kv_a_proj_with_mqa and its norm are whole on every rank). `latent`: under latent attention
+        (DeepSeek), the MLA attention module instead of `attention`: k and v, expanded from the latent per head,
+        split over the ranks as q's heads do, and v and z are narrower than q and k."""
         self.widths = {"router_logits": n_experts, "kv_latent": d_latent}
         self.size, self.rank = compat.tp_size(), compat.tp_rank()
         self.kv_total = config_value(config, "num_key_value_heads") or config.num_attention_heads
         heads, kv_heads, self.d_head = compat.attention_heads(attention) if attention is not None else (0, 0, 0)
+        self.d_head_v = self.d_head
+        if latent is not None:
+            heads, self.d_head, self.d_head_v = compat.latent_heads(latent)
+            kv_heads, self.kv_total = heads, config.num_attention_heads
         # A Gated DeltaNet's value heads split evenly over the ranks (vLLM's QwenGatedDeltaNetAttention).
         lin = (getattr(config, "linear_num_value_heads", 0) or 0) // self.size
         self.local = {HEADS: heads, KV_HEADS: kv_heads, NEURONS: mlp_local or 0, LIN_HEADS: lin}
@@ -45,6 +52,7 @@ class Shards:
         own = copy.copy(self)
         own.kv_total, own.replicas = kv_total, max(1, self.size // kv_total)
         heads, kv_heads, own.d_head = compat.attention_heads(attention)
+        own.d_head_v = own.d_head
         own.local = {HEADS: heads, KV_HEADS: kv_heads, NEURONS: mlp_local}
         return own
 
@@ -53,11 +61,14 @@ class Shards:
         return self.layers[layer] if self.layers and layer is not None else self
 
     # ------------------------------------------------------------------------------------------- shapes
+    def _width(self, point: str) -> int:
+        return self.d_head_v if point in ("v", "z") else self.d_head
+
     def local_width(self, point: str, d_model: int) -> int:
         """Features of one row of `point` on this rank, flat."""
         kind = SHARDING.get(point)
         if kind in (HEADS, KV_HEADS):
-            return self.local[kind] * self.d_head
+            return self.local[kind] * self._width(point)
         if kind == LIN_HEADS:
             return self.local[kind] * self.d_lin
         return self.local[kind] if kind == NEURONS else self.widths.get(point, d_model)
@@ -66,9 +77,9 @@ class Shards:
         """One row of `point`, gathered."""
         kind = SHARDING.get(point)
         if kind == HEADS:
-            return (self.local[HEADS] * self.size, self.d_head)
+            return (self.local[HEADS] * self.size, self._width(point))
         if kind == KV_HEADS:
-            return (self.kv_total, self.d_head)
+            return (self.kv_total, self._width(point))
         if kind == LIN_HEADS:
             return (self.local[kind] * self.size, self.d_lin)
         return (self.local[NEURONS] * self.size,) if kind == NEURONS else (self.widths.get(point, d_model),)

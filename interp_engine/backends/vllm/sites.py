@@ -25,6 +25,7 @@ from typing import Literal
 import torch
 
 from interp_engine.addresses import Address
+from interp_engine.backends.vllm import compat
 
 EMBED, FINAL, LOGITS = Address("embed"), Address("final"), Address("logits")
 
@@ -42,6 +43,7 @@ class Codec:
     repack: Callable[..., object]
     kwargs: bool = False  # a pre-hook registered with_kwargs
     fresh: bool = False  # unpacks a new tensor (a sum), which the model never sees unless edited: read uncopied
+    module: bool = False  # unpack and repack take the hooked module first (they read its weights)
 
 
 _NAMES = ("positions", "hidden_states", "residual")
@@ -111,6 +113,37 @@ GATE_UP = Codec("gate_up", lambda args, kwargs, out: tuple(out[0].chunk(2, dim=-
                 lambda args, kwargs, out, new: (torch.cat(new, dim=-1), *out[1:]))
 # Attention's input, forward(q, k, v, ...) after rotary, each [rows, local heads * d_head].
 QKV = Codec("qkv", lambda args, kwargs, out: tuple(args[:3]), lambda args, kwargs, out, new: (*new, *args[3:]))
+
+# Latent attention's MLA attention (DeepSeek), forward(q, latent, k_pe) after rotary: q [rows, local heads,
+# qk_head_dim], the latent after its norm, the shared rotary key [rows, 1, qk_rope_head_dim]. q, k and v are
+# unpacked as eager defines them: k and v are the latent expanded by kv_b_proj, as vLLM's own prefill does, with
+# the shared key part on every head's k. vLLM's DeepSeek rotary pairs neighbouring dimensions (x0, x1), (x2, x3),
+# ... in place; HF's lays the rotated pairs out as the evens then the odds: the rotary parts are permuted to HF's
+# layout here (a permutation of both q and k, so q.k is unchanged) and q's back on repack. Only q goes back: the
+# kernel expands k and v from the latent itself (their writes are refused before any request).
+def _to_hf(x: torch.Tensor) -> torch.Tensor:
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
+def _from_hf(x: torch.Tensor) -> torch.Tensor:
+    return torch.stack(x.chunk(2, dim=-1), dim=-1).flatten(-2)
+
+
+def _latent_unpack(mla, args, kwargs, out):
+    q, latent, k_pe = args[:3]
+    nope = q.shape[-1] - k_pe.shape[-1]
+    k_nope, v = compat.expand_latent(mla, latent)
+    k = torch.cat((k_nope, _to_hf(k_pe).expand(-1, k_nope.shape[1], -1)), dim=-1)
+    return torch.cat((q[..., :nope], _to_hf(q[..., nope:])), dim=-1), k, v
+
+
+def _latent_repack(mla, args, kwargs, out, new):
+    q, k_pe = new[0].view(args[0].shape), args[2]
+    nope = q.shape[-1] - k_pe.shape[-1]
+    return (torch.cat((q[..., :nope], _from_hf(q[..., nope:])), dim=-1), *args[1:])
+
+
+LATENT_QKV = Codec("latent_qkv", _latent_unpack, _latent_repack, fresh=True, module=True)
 # A Gated DeltaNet's gated norm, norm(out, z), each [rows, local value heads, d_lin_v].
 GATED_NORM = Codec("gated_norm", lambda args, kwargs, out: tuple(args[:2]),
                    lambda args, kwargs, out, new: (*new, *args[2:]))
@@ -154,6 +187,7 @@ SITES = (
     # Latent attention's KV norm (DeepSeek): its output is the latent the cache stores and every head reads.
     Site("kv_latent", "post", OUTPUT, ("kv_latent",)),
     Site("attention", "pre", QKV, ("q", "k", "v")),
+    Site("mla", "pre", LATENT_QKV, ("q", "k", "v")),
     Site("o_proj", "pre", INPUT, ("z",)),
     Site("z_out", "post", OUTPUT, ("z",)),
     Site("attn_out", "post", OUTPUT, ("attn_out",)),
@@ -204,15 +238,16 @@ def register(module, site: Site, transform: Callable[[Tensors], Tensors], when: 
     """Hook `transform` onto `module` at `site`; its handle. With `when`, the hook does nothing (not even
     unpack) in a forward where `when()` is false (Python: never for a traced tap)."""
     codec = site.codec
+    own = (module,) if codec.module else ()
 
     def apply(args, kwargs, out):
         if when is not None and not when():
             return None
-        xs = codec.unpack(args, kwargs, out)
+        xs = codec.unpack(*own, args, kwargs, out)
         ys = transform(xs)
         if all(a is b for a, b in zip(xs, ys)):
             return None
-        return codec.repack(args, kwargs, out, ys)
+        return codec.repack(*own, args, kwargs, out, ys)
 
     if site.hook == "post":
         return module.register_forward_hook(lambda m, args, out: apply(args, {}, out))

@@ -96,8 +96,9 @@ class StaticTaps:
         self.state = StepState(runner, calls)
         self.shards = shards = self.state.shards
         self.layers = layers = list(self.model.get_submodule(layout.layers))
-        # None under latent attention (DeepSeek) and at a hybrid's Gated DeltaNet layers: no patterns there.
-        self.attention = [module_at(layout, "attention", layer) for layer in layers]
+        # The module the patterns' scale is read from (under latent attention, DeepSeek's, the MLA attention); None at
+        # a hybrid's Gated DeltaNet layers: no patterns there.
+        self.attention = [module_at(layout, "mla" if layout.mla else "attention", layer) for layer in layers]
         self.d_model = compat.hidden_size(runner)
         self.sources = sources = self.state.sources  # a KV-shared layer's patterns need its source layer's k
 
