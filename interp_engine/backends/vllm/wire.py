@@ -199,21 +199,27 @@ def result_path(call: str) -> str:
 
 def sweep_orphans() -> list[str]:
     """Delete the result files of drivers that no longer run (killed before they could delete them: /dev/shm is
-    memory until reboot); the paths removed."""
+    memory until reboot); the paths removed. A file's pid names its driver: gone, or now another process's (one
+    started after the file was last written), it is an orphan."""
+    import psutil
+
     removed = []
     for name in os.listdir(folder := _results_folder()):
         parts = name.split("-")
         if len(parts) < 3 or parts[0] != TAG or not name.endswith(".safetensors") or not parts[1].isdigit():
             continue
+        path = os.path.join(folder, name)
         try:
-            os.kill(int(parts[1]), 0)
-        except ProcessLookupError:
-            try:
-                os.unlink(path := os.path.join(folder, name))
-                removed.append(path)
-            except FileNotFoundError:  # another driver swept it first
-                pass
-        except PermissionError:  # alive, another user's
+            if psutil.Process(int(parts[1])).create_time() <= os.stat(path).st_mtime + 1.0:
+                continue  # its driver (on a loaded machine the clocks of the two may differ by a tick)
+        except psutil.AccessDenied:  # alive, another user's
+            continue
+        except (psutil.NoSuchProcess, FileNotFoundError):
+            pass
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:  # another driver swept it first, or another user's
             pass
     return removed
 
