@@ -179,12 +179,20 @@ def decode(answer: bytes | str) -> dict[str, Tensor]:
 
     if not answer:
         return {}
-    with deferred_interrupt():
-        flat, meta = results.read(answer)
-    if ERROR in meta:
-        raise _failed(meta[ERROR], bool(meta.get(IN_SPEC)))
-    for name, owner in json.loads(meta.get(ROWS, "{}")).items():
-        flat[f"{name}|prompt"], flat[f"{name}|pos"] = flat[f"{owner}|prompt"], flat[f"{owner}|pos"]
+    try:
+        with deferred_interrupt():
+            flat, meta = results.read(answer)
+        failed = meta.get(ERROR)
+        if failed is None:
+            for name, owner in json.loads(meta.get(ROWS, "{}")).items():
+                flat[f"{name}|prompt"], flat[f"{name}|pos"] = flat[f"{owner}|prompt"], flat[f"{owner}|pos"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError, RuntimeError, OverflowError) as e:
+        # Truncated, overwritten or never written whole (a worker killed mid-write): this call's loss only.
+        raise BackendError(fix(f"the vLLM workers' answer to this call could not be read ({type(e).__name__}: "
+                               f"{str(e).strip()[:200]}).", "retry the call; if it fails again, report it as an "
+                               "interp_engine bug.")) from None
+    if failed is not None:
+        raise _failed(str(failed), bool(meta.get(IN_SPEC)))
     return flat
 
 
