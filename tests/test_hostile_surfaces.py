@@ -88,8 +88,8 @@ def test_deepseek_cpu_engine_arguments_the_backend_cannot_merge_into_are_refused
 
 def test_deepseek_cpu_engine_arguments_of_the_right_types_are_merged_every_problem_at_once():
     ours = CPU_ENGINE_ARGS["deepseek_v3"]
-    for user in ({}, {"compilation_config": {"custom_ops": None}}, {"compilation_config": {"custom_ops": ("+rms_norm",)}},
-                 {"attention_backend": None}, {"attention_backend": "AMX_MLA"}):
+    for user in ({}, {"compilation_config": {"custom_ops": None}}, {"attention_backend": None},
+                 {"compilation_config": {"custom_ops": ("+rms_norm",)}}, {"attention_backend": "AMX_MLA"}):
         check_cpu_engine_args("deepseek_v3", user)
     assert cpu_engine_args("deepseek_v3", {"compilation_config": {"custom_ops": ("+rms_norm",)}}) == {
         "compilation_config": {"custom_ops": ["+rms_norm", "-rotary_embedding"]},

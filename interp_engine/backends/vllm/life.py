@@ -41,7 +41,7 @@ class EngineLife:
 
     def __init__(self, llm, procs: list, name: str, sockets: str | None = None):
         self.llm, self.procs, self.name, self.sockets = llm, list(procs), name, sockets
-        self.segments = shm.Segments(self.procs)  # every rank has joined: its tensor-parallel names go now
+        self.segments = shm.unlink_joined(self.procs)  # every rank has joined: its tensor-parallel names go now
         wire.sweep_orphans()  # what killed drivers and engines left in /dev/shm
         shm.sweep_orphans()
         self.fault: str | None = None

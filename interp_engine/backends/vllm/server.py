@@ -51,7 +51,7 @@ async def run(handle, args, service: serving.Service) -> None:
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     async with build_async_engine_client(args) as client:
         procs = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
-        shm.Segments(procs)  # its queues: unlinked by the resource tracker when the server exits
+        shm.unlink_joined(procs)  # its queues: the resource tracker unlinks them when the server exits
         wire.sweep_orphans()  # what killed drivers and engines left in /dev/shm
         shm.sweep_orphans()
         watching = asyncio.get_running_loop().create_task(server_watch.watch(client, procs))

@@ -4,7 +4,7 @@
   a worker that exits normally unlinks them, and vLLM's shutdown kills the workers (`compat.TEARDOWN_S`), so
   every two-rank engine left two behind (83 had piled up on one machine). Every rank maps every rank's segment
   while the group forms, as the engine starts, and nothing opens them by name afterwards: the driver unlinks the
-  names as soon as the engine is up (`Segments`). The memory lives while a process maps it and goes with the
+  names as soon as the engine is up (`unlink_joined`). The memory lives while a process maps it and goes with the
   last one, however the engine ends (shutdown, an engine's death, SIGKILL of everything).
 - vLLM's message queues between the engine core and its workers (`compat.QUEUE_SHM`, the broadcast one 160 MiB):
   their creator unlinks them in `__del__`, which a killed process never runs, and Python's resource tracker
@@ -13,14 +13,15 @@
   that exits normally would find its name gone and raise in `__del__`.
 - An engine killed while it starts (before the driver unlinks) leaves its tensor-parallel names behind:
   `sweep_orphans`, at every engine start, removes those no process maps. A segment is mapped by its creator
-  from the moment it exists (shm_open, ftruncate and mmap in one call) and by its ranks until they end, so one
-  no process maps belongs to no live engine. Only this user's, older than ORPHAN_AGE_S (longer than that one
-  call), are touched.
+  from the moment it exists (shm_open, ftruncate and mmap in one C++ function, `init_shm`) and by its ranks until
+  they end, so one no process maps belongs to no live engine. Only this user's, older than ORPHAN_AGE_S (far
+  longer than that one function), are touched.
 """
 
 import contextlib
 import os
 import time
+from dataclasses import dataclass
 
 from interp_engine.backends.vllm import compat
 
@@ -28,15 +29,12 @@ FOLDER = "/dev/shm"
 ORPHAN_AGE_S = 60.0
 
 
+@dataclass(frozen=True)
 class Segments:
-    """One live engine's segments, found in its processes' memory maps once every rank has joined (the engine
-    is up); its tensor-parallel names are unlinked at once."""
+    """One engine's segments, by kind."""
 
-    def __init__(self, procs: list):
-        names = set().union(*(mapped(p.pid) for p in procs))
-        self.tensor_parallel = sorted(n for n in names if compat.CPU_SHM.search(n))
-        self.queues = sorted(n for n in names if compat.QUEUE_SHM.match(n))
-        unlink(self.tensor_parallel)
+    tensor_parallel: tuple[str, ...] = ()
+    queues: tuple[str, ...] = ()
 
     def release(self) -> list[str]:
         """After the engine's processes are reaped: unlink the queues their killed creators left, and tell the
@@ -49,6 +47,16 @@ class Segments:
             for path in removed:
                 resource_tracker.unregister("/" + os.path.basename(path), "shared_memory")
         return removed
+
+
+def unlink_joined(procs: list) -> Segments:
+    """A live engine's segments, found in its processes' memory maps once every rank has joined (the engine is
+    up), with its tensor-parallel names unlinked now."""
+    names = set().union(*(mapped(p.pid) for p in procs))
+    segments = Segments(tuple(sorted(n for n in names if compat.CPU_SHM.search(n))),
+                        tuple(sorted(n for n in names if compat.QUEUE_SHM.match(n))))
+    unlink(segments.tensor_parallel)
+    return segments
 
 
 def mapped(pid: int) -> set[str]:
@@ -64,7 +72,7 @@ def mapped(pid: int) -> set[str]:
     return names
 
 
-def unlink(names: list[str]) -> list[str]:
+def unlink(names) -> list[str]:
     """Remove these names from /dev/shm; the paths removed (one already gone is skipped)."""
     removed = []
     for name in names:
