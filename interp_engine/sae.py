@@ -52,6 +52,12 @@ class SAE:
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, TensorData.of(value, what=f"SAE.{name}"))
+        # TensorData refuses NaN and +inf; -inf (a masked score in an attn_scores edit) has no place in an SAE.
+        infinite = [f"SAE.{name}" for name in TENSORS if (t := getattr(self, name)) is not None
+                    and any(bool(c.isneginf().any()) for c in t.tensor.reshape(-1).split(1 << 22))]
+        if infinite:
+            problems.append(fix(f"{', '.join(infinite)} contains -inf: every activation the SAE encodes or decodes "
+                                "would become -inf or NaN.", f"clean it first, e.g. torch.nan_to_num({infinite[0]})."))
         for name in ("reads", "writes"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, Address.parse(getattr(self, name)))

@@ -53,9 +53,16 @@ def declared_saes(static_writes: Any, dims, num_gpus: int = 1) -> tuple[Any, tup
                                 tuple((name, t.shape, _DTYPE_NAMES[t.tensor.dtype]) for name in TENSORS
                                       if (t := getattr(sae, name)) is not None))
                     for sae in whole)
-    clamps = tuple((w if isinstance(w, SAE) else w.sae).reads.resolve(dims.n_layers)
-                   for w in static_writes if isinstance(w, SAE | Splice))
+    clamps = declared_points(static_writes, dims.n_layers)
     return [w for w in static_writes if not isinstance(w, SAE | Splice)], clamps, splices
+
+
+def declared_points(static_writes: Any, n_layers: int) -> tuple:
+    """The points of the SAEs in `static_writes`, bare or in a Splice."""
+    if not isinstance(static_writes, list | tuple):
+        return ()
+    return tuple((w if isinstance(w, SAE) else w.sae).reads.resolve(n_layers)
+                 for w in static_writes if isinstance(w, SAE | Splice))
 
 
 def _refusals(sae: SAE, dims, num_gpus: int) -> list[str]:
@@ -65,6 +72,8 @@ def _refusals(sae: SAE, dims, num_gpus: int) -> list[str]:
     if address.info.pos_axis != 1:
         return [f"an SAE of {address}: an SAE reads one vector per position"]
     width = math.prod(feature_shape(address, dims, 1))
+    if width == 0:  # load_model says why first (`arch.lacks`); the sizer has no arch
+        return [f"an SAE of {address}: this model has no {address.point}"]
     if sae.d_in != width:
         return [f"an SAE of {address} reads {sae.d_in} values per position, but {address} holds {width}"]
     if num_gpus > 1 and address.info.axes != _WHOLE and not set(address.info.axes) & _SHARDED:

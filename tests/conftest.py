@@ -105,6 +105,17 @@ def hf_reference(tiny_path):
 
 
 @pytest.fixture
+def no_network(monkeypatch):
+    """Any connection attempt fails the test (the sizer reads config.json and nothing else)."""
+    import socket
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the test tried to open a network connection")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+
+
+@pytest.fixture
 def offline_hub(tmp_path, monkeypatch):
     """An empty HF cache of our own, offline, so the real cache is never consulted; returns its folder."""
     hub = tmp_path / "hf_home" / "hub"

@@ -16,11 +16,16 @@ REASONS = {
     "ray": "Ray is not installed: scripts/setup.sh installs it (the ray extra); replicated harvests run on it",
     "saelens": "datasets is not installed: harvest(format=\"saelens\") needs the saelens extra "
                "(pip install -e '.[saelens]')",
-    "slow": "INTERP_ENGINE_SLOW=1 is not set: vllm-static's per-family compile (about 50-70 s on 2 shared cores) "
-            "of the newer families (Gemma 4's included), two vLLM harvest replicas on Ray (about 150 s) and SAEs on two-rank vllm and "
-            "vllm-static engines (about 2 min) and vLLM's Qwen3-Next module tree built on the meta device (about 50 s) and its three Qwen3.5 trees (about 3 min), and Gemma 4's vLLM module trees built on the meta device (about 45 s each; its MoE block's two-rank and vllm-static engines, about 4 min), DeepSeek-V3's (about 30 s; "
-            "its live engine runs in CI), its two-rank engine and its vllm-static engines, and Qwen3-Next's engines (vllm at num_gpus 1 and 2, vllm-static: about 5 min) "
-            "run only with it (and in validator/comparison/run_all_models.sh)",
+    "slow": ("INTERP_ENGINE_SLOW=1 is not set. Only with it (and in validator/comparison/run_all_models.sh) run: "
+             "vllm-static's per-family compile of the newer families, Gemma 4's included (about 50-70 s on 2 "
+             "shared cores); "
+             "two vLLM harvest replicas on Ray (about 150 s); "
+             "SAEs on two-rank vllm and vllm-static engines (about 2 min); "
+             "vLLM's module trees built on the meta device: Qwen3-Next's (about 50 s), its three Qwen3.5 trees "
+             "(about 3 min), Gemma 4's (about 45 s each, its MoE block's included) and DeepSeek-V3's (about 30 s); "
+             "Gemma 4's MoE block's two-rank and vllm-static engines (about 4 min); "
+             "DeepSeek-V3's two-rank engine and its vllm-static engines (its one-rank engine runs in CI); "
+             "Qwen3-Next's engines: vllm at num_gpus 1 and 2, and vllm-static (about 5 min)"),
 }
 
 

@@ -25,8 +25,8 @@ from interp_engine.inputs import to_prompts
 from interp_engine.spec import Positions, TensorData
 from interp_engine.validate import Plan
 from tests.conftest import no_child_survives, spec_dict
+from tests.refusals import assert_refused, assert_refused_on_vllm
 from tests.skips import requires
-from tests.test_bad_inputs import assert_refused, assert_refused_on_vllm
 
 PROMPT, OTHER = "Hello, world! Tell me a story", "Paris is the capital of"
 NAN = float("nan")

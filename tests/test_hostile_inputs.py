@@ -23,8 +23,8 @@ from interp_engine.load_guards import HEADROOM, check_fits
 from interp_engine.selection import BackendSelection
 from interp_engine.tiny import build_tiny_model
 from tests.conftest import spec_dict
+from tests.refusals import assert_refused, assert_refused_on_vllm
 from tests.skips import requires
-from tests.test_bad_inputs import assert_refused, assert_refused_on_vllm
 
 PROMPT = "Hello, world! Tell me a story"
 BIG = 10**400  # what a JSON file can hold: json.loads reads up to 4300 digits

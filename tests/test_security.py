@@ -2,7 +2,7 @@
 checkpoint runs only when the user asks (trust_remote_code is off on both backends).
 
 Refusals of unknown op names, module paths as op names, `__reduce__` fields and pickled blobs are in
-tests/test_bad_inputs.py (the "specs read from data" section); this file adds the rest.
+tests/test_bad_specs.py; this file adds the rest.
 """
 
 import ast

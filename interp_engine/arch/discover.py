@@ -105,6 +105,7 @@ def discover(config, *, name: str = "this model") -> Arch:
 
 
 def has_module(model: torch.nn.Module, path: str) -> bool:
+    """Whether `model` has a submodule at `path`: the one way the package asks (vLLM's module tree included)."""
     try:
         model.get_submodule(path)
     except AttributeError:

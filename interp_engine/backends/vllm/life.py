@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-from interp_engine.backends.vllm import compat, guard, sae_refs, wire
+from interp_engine.backends.vllm import compat, guard, sae_refs, shm, wire
 from interp_engine.backends.vllm.engine import remove_sockets
 from interp_engine.backends.vllm.procs import cpu_seconds, running, stopped
 from interp_engine.errors import BackendError, fix
@@ -41,7 +41,9 @@ class EngineLife:
 
     def __init__(self, llm, procs: list, name: str, sockets: str | None = None):
         self.llm, self.procs, self.name, self.sockets = llm, list(procs), name, sockets
-        wire.sweep_orphans()  # what killed drivers left in /dev/shm
+        self.segments = shm.unlink_joined(self.procs)  # every rank has joined: its tensor-parallel names go now
+        wire.sweep_orphans()  # what killed drivers and engines left in /dev/shm
+        shm.sweep_orphans()
         self.fault: str | None = None
         self.saes = sae_refs.Held()  # SAEs its workers hold
         self.send_lock = threading.RLock()  # one message at a time to the engine core, probes included
@@ -94,7 +96,7 @@ class EngineLife:
 
     def release(self) -> None:
         """After the engine's processes are reaped: the guard has nothing left to do, and no process is left to
-        use the engine's socket folder (`engine.SOCKETS`)."""
+        use the engine's socket folder (`engine.SOCKETS`) or its message queues (`shm.Segments`)."""
         guard_process, self._guard = self._guard, None
         if guard_process is not None:
             with contextlib.suppress(OSError):
@@ -109,6 +111,7 @@ class EngineLife:
             with contextlib.suppress(OSError):
                 os.close(fd)
         remove_sockets(self.sockets)
+        self.segments.release()
 
     def error(self) -> BackendError:
         if self.fault == SHUT:

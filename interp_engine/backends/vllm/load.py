@@ -11,11 +11,12 @@ from interp_engine import quantization as Q
 from interp_engine import vllm_args
 from interp_engine.arch import aliases, arch_for, read_cfg, read_dims
 from interp_engine.arch.layers import lacking
+from interp_engine.arch.vllm_cpu import check_cpu_engine_args
 from interp_engine.backends.vllm.capabilities import for_handle
 from interp_engine.errors import BackendError, PointError, SpecError, fix
 from interp_engine.handle import ModelHandle
 from interp_engine.load_guards import load_tokenizer
-from interp_engine.sae_taps import declared_saes
+from interp_engine.sae_taps import declared_points, declared_saes
 from interp_engine.selection import BackendSelection, Hardware, vllm_installed, vllm_support
 from interp_engine.taps import Taps
 
@@ -66,6 +67,8 @@ def load(repo_id: str, source: str, config, selection: BackendSelection, hardwar
                                'use backend="eager", which reads the wrapper as its text model.'))
     if arch.vllm is None and not arch.discovered:
         raise BackendError(fix(f"{vllm_support(config, source)}.", 'use backend="eager" for this model.'))
+    if not hardware.cuda:
+        check_cpu_engine_args(arch.family, extra)
     if arch.discovered and capabilities.declares_taps:
         raise BackendError(fix(
             f"{str(repo_id)!r} is a {config.model_type!r} model, whose residual stream interp_engine finds from its "
@@ -73,6 +76,10 @@ def load(repo_id: str, source: str, config, selection: BackendSelection, hardwar
             "with a table.", 'use backend="vllm" (any of those points per request) or backend="eager".'))
     dims = read_dims(config, arch)
     cfg = read_cfg(config, arch, dims)
+    lacked = [f"{a} cannot be declared for {str(repo_id)!r}: {why}"
+              for a in declared_points(static_writes, dims.n_layers) if (why := arch.lacks(a.point))]
+    if lacked:  # before the SAEs' own checks, which would see a width of 0 there
+        raise PointError("; ".join(lacked))
     writes, clamps, splices = declared_saes(static_writes, dims, num_gpus)
     taps = Taps.of(static_points, writes, dims.n_layers, clamps, splices) if capabilities.declares_taps else None
     refused = arch.vllm.refused_points if arch.vllm is not None else ()

@@ -7,7 +7,7 @@ import json
 import os
 from typing import Any
 
-from interp_engine.backends.vllm import compat, engine, server_watch, serving
+from interp_engine.backends.vllm import compat, engine, server_watch, serving, shm, wire
 from interp_engine.errors import BackendError, InterpEngineError, fix
 
 
@@ -51,6 +51,9 @@ async def run(handle, args, service: serving.Service) -> None:
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     async with build_async_engine_client(args) as client:
         procs = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+        shm.unlink_joined(procs)  # its queues: the resource tracker unlinks them when the server exits
+        wire.sweep_orphans()  # what killed drivers and engines left in /dev/shm
+        shm.sweep_orphans()
         watching = asyncio.get_running_loop().create_task(server_watch.watch(client, procs))
         hosts = await client.collective_rpc(serving.wire.ATTACH)  # once per engine, as offline
         serving.wrap_generate(client, local=serving.wire.same_host(hosts[0]))

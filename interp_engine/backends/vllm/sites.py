@@ -26,6 +26,7 @@ import torch
 
 from interp_engine.addresses import Address
 from interp_engine.backends.vllm import compat
+from interp_engine.arch.discover import has_module
 
 EMBED, FINAL, LOGITS = Address("embed"), Address("final"), Address("logits")
 
@@ -224,14 +225,10 @@ def module_of(site: Site, layout, root):
 def module_at(layout, field: str, root):
     """The module `layout.<field>` names under `root`; None as in `module_of`."""
     path = getattr(layout, field)
-    if path is None:
+    # Only a hybrid's layers differ: elsewhere a missing module is a wrong table, and get_submodule says so.
+    if path is None or (layout.linear_attn is not None and not has_module(root, path)):
         return None
-    try:
-        return root.get_submodule(path)
-    except AttributeError:
-        if layout.linear_attn is None:  # only a hybrid's layers differ: elsewhere a missing module is a wrong table
-            raise
-        return None
+    return root.get_submodule(path)
 
 
 def register(module, site: Site, transform: Callable[[Tensors], Tensors], when: Callable[[], bool] | None = None):

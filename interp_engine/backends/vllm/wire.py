@@ -179,12 +179,20 @@ def decode(answer: bytes | str) -> dict[str, Tensor]:
 
     if not answer:
         return {}
-    with deferred_interrupt():
-        flat, meta = results.read(answer)
-    if ERROR in meta:
-        raise _failed(meta[ERROR], bool(meta.get(IN_SPEC)))
-    for name, owner in json.loads(meta.get(ROWS, "{}")).items():
-        flat[f"{name}|prompt"], flat[f"{name}|pos"] = flat[f"{owner}|prompt"], flat[f"{owner}|pos"]
+    try:
+        with deferred_interrupt():
+            flat, meta = results.read(answer)
+        failed = meta.get(ERROR)
+        if failed is None:
+            for name, owner in json.loads(meta.get(ROWS, "{}")).items():
+                flat[f"{name}|prompt"], flat[f"{name}|pos"] = flat[f"{owner}|prompt"], flat[f"{owner}|pos"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError, RuntimeError, OverflowError) as e:
+        # Truncated, overwritten or never written whole (a worker killed mid-write): this call's loss only.
+        raise BackendError(fix(f"the vLLM workers' answer to this call could not be read ({type(e).__name__}: "
+                               f"{str(e).strip()[:200]}).", "retry the call; if it fails again, report it as an "
+                               "interp_engine bug.")) from None
+    if failed is not None:
+        raise _failed(str(failed), bool(meta.get(IN_SPEC)))
     return flat
 
 
@@ -199,21 +207,27 @@ def result_path(call: str) -> str:
 
 def sweep_orphans() -> list[str]:
     """Delete the result files of drivers that no longer run (killed before they could delete them: /dev/shm is
-    memory until reboot); the paths removed."""
+    memory until reboot); the paths removed. A file's pid names its driver: gone, or now another process's (one
+    started after the file was last written), it is an orphan."""
+    import psutil
+
     removed = []
     for name in os.listdir(folder := _results_folder()):
         parts = name.split("-")
         if len(parts) < 3 or parts[0] != TAG or not name.endswith(".safetensors") or not parts[1].isdigit():
             continue
+        path = os.path.join(folder, name)
         try:
-            os.kill(int(parts[1]), 0)
-        except ProcessLookupError:
-            try:
-                os.unlink(path := os.path.join(folder, name))
-                removed.append(path)
-            except FileNotFoundError:  # another driver swept it first
-                pass
-        except PermissionError:  # alive, another user's
+            if psutil.Process(int(parts[1])).create_time() <= os.stat(path).st_mtime + 1.0:
+                continue  # its driver (on a loaded machine the clocks of the two may differ by a tick)
+        except psutil.AccessDenied:  # alive, another user's
+            continue
+        except (psutil.NoSuchProcess, FileNotFoundError):
+            pass
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:  # another driver swept it first, or another user's
             pass
     return removed
 
