@@ -18,7 +18,7 @@ REASONS = {
                "(pip install -e '.[saelens]')",
     "slow": "INTERP_ENGINE_SLOW=1 is not set: vllm-static's per-family compile (about 50-70 s on 2 shared cores) "
             "of the newer families (Gemma 4's included), two vLLM harvest replicas on Ray (about 150 s) and SAEs on two-rank vllm and "
-            "vllm-static engines (about 2 min) and vLLM's Qwen3-Next module tree built on the meta device (about 50 s) and its three Qwen3.5 trees (about 3 min), and Gemma 4's vLLM module trees built on the meta device (about 45 s each; its MoE block's two-rank and vllm-static engines, about 4 min), DeepSeek-V3's (about 30 s; "
+            "vllm-static engines (about 2 min) and vLLM's Qwen3-Next module tree built on the meta device (about 50 s) and its four Qwen3.5 trees (about 4 min), and Gemma 4's vLLM module trees built on the meta device (about 45 s each; its MoE block's two-rank and vllm-static engines, about 4 min), DeepSeek-V3's (about 30 s; "
             "its live engine runs in CI), its two-rank engine and its vllm-static engines, and Qwen3-Next's engines (vllm at num_gpus 1 and 2, vllm-static: about 5 min), "
             "Kimi-K2.5's wrapper on vllm and vllm-static (about 45 s and 90 s) "
             "run only with it (and in validator/comparison/run_all_models.sh)",
