@@ -20,7 +20,7 @@ REASONS = {
             "of the newer families (Gemma 4's included), two vLLM harvest replicas on Ray (about 150 s) and SAEs on two-rank vllm and "
             "vllm-static engines (about 2 min) and vLLM's Qwen3-Next module tree built on the meta device (about 50 s) and its four Qwen3.5 trees (about 4 min), and Gemma 4's vLLM module trees built on the meta device (about 45 s each; its MoE block's two-rank and vllm-static engines, about 4 min), DeepSeek-V3's (about 30 s; "
             "its live engine runs in CI), its two-rank engine and its vllm-static engines, and Qwen3-Next's engines (vllm at num_gpus 1 and 2, vllm-static: about 5 min), "
-            "Kimi-K2.5's wrapper on vllm and vllm-static (about 45 s and 90 s) "
+            "Kimi-K2.5's wrapper on vllm (num_gpus 1 and 2) and vllm-static (about 3 min) "
             "run only with it (and in validator/comparison/run_all_models.sh)",
 }
 

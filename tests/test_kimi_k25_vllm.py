@@ -61,12 +61,14 @@ def reference(kimi_path):
 
 
 @requires("vllm")
-@requires("slow")  # an engine start, about 45 s here (vllm-static's compile, about 90 s)
-@pytest.mark.parametrize("backend", ["vllm", "vllm-static"])
-def test_every_served_point_plain_and_under_writes_equals_eager_reading_the_wrapper(kimi_path, reference, backend):
-    """DeepSeek's every served point at every layer, plain and under its writes (router steering included)."""
+@requires("slow")  # an engine start each: about 45 s here (vllm-static's compile and two ranks, about 90 s)
+@pytest.mark.parametrize("backend, num_gpus", [("vllm", 1), ("vllm-static", 1), ("vllm", 2)])
+def test_every_served_point_plain_and_under_writes_equals_eager_reading_the_wrapper(kimi_path, reference, backend,
+                                                                                    num_gpus):
+    """DeepSeek's every served point at every layer, plain and under its writes (router steering included); at
+    num_gpus=2 the wrapper's text model split over two ranks."""
     assert reference.arch.family == "deepseek_v3"
-    for model in _served(kimi_path, 1, backend, reference):
+    for model in _served(kimi_path, num_gpus, backend, reference):
         check_every_point_and_write_equals_eager(model, reference)
 
 
