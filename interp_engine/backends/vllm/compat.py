@@ -177,11 +177,17 @@ def client_model_config(client):
 
 
 def model(runner):
-    return runner.get_model()
+    """The text model whose modules the layouts name: vLLM's model, or the one a served multimodal wrapper holds
+    (`aliases.WRAPPERS`)."""
+    from interp_engine.arch.aliases import WRAPPERS
+
+    wrapper = WRAPPERS.get(runner.model_config.hf_config.model_type)
+    return runner.get_model().get_submodule(wrapper.vllm_text_model if wrapper else "")
 
 
 def hf_config(runner):
-    return runner.model_config.hf_config
+    """The text model's config (a wrapper's `text_config`; any other model's own)."""
+    return runner.model_config.hf_text_config
 
 
 def model_dtype(runner):

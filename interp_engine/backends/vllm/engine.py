@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from interp_engine.arch.aliases import wrapper_of
 from interp_engine.arch.vllm_cpu import cpu_engine_args
 from interp_engine.backends.vllm import compat
 
@@ -22,6 +23,8 @@ def settings(runtime) -> tuple[dict[str, Any], dict[str, str]]:
         "model": str(runtime.source), "tokenizer": str(runtime.source), "skip_tokenizer_init": True,
         "dtype": str(runtime.dtype).removeprefix("torch."), "tensor_parallel_size": runtime.num_gpus, "seed": 0,
     }
+    if wrapper_of(runtime.source) is not None:  # a multimodal wrapper, served as its text model: no vision tower
+        kwargs["language_model_only"] = True
     env: dict[str, str] = {}
     base = tempfile.gettempdir()
     # vLLM's driver, engine core and workers bind ZMQ sockets at named paths in this folder and never unlink them

@@ -9,7 +9,7 @@ import torch
 
 from interp_engine import quantization as Q
 from interp_engine import vllm_args
-from interp_engine.arch import aliases, arch_for, read_cfg, read_dims
+from interp_engine.arch import arch_for, read_cfg, read_dims
 from interp_engine.arch.layers import lacking
 from interp_engine.arch.vllm_cpu import check_cpu_engine_args
 from interp_engine.backends.vllm.capabilities import for_handle
@@ -60,11 +60,6 @@ def load(repo_id: str, source: str, config, selection: BackendSelection, hardwar
         raise SpecError(fix(f"num_gpus={num_gpus} but {available} {where} are available.",
                             "lower num_gpus, or expose more devices (CUDA_VISIBLE_DEVICES)."))
     arch = arch_for(config, name=str(repo_id))
-    if (wrapper := aliases.wrapper_of(source)) is not None:
-        raise BackendError(fix(f"{str(repo_id)!r} is a {wrapper!r} checkpoint, a multimodal wrapper: vLLM builds its "
-                               "text model under `language_model.`, and interp_engine's vLLM site tables name a text "
-                               "model's own module paths (arch/aliases.py).",
-                               'use backend="eager", which reads the wrapper as its text model.'))
     if arch.vllm is None and not arch.discovered:
         raise BackendError(fix(f"{vllm_support(config, source)}.", 'use backend="eager" for this model.'))
     if not hardware.cuda:
