@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass
 
+from interp_engine.arch import aliases
+
 GiB = 2**30
 # CUDA context and cuBLAS/NCCL workspaces (0.5-1 GiB, outside PyTorch but inside vLLM's budget) plus the activation
 # peak of one step that vLLM reserves after its profile run (about 1 GiB for a 16k-token step of an 8B-70B model).
@@ -173,6 +175,7 @@ LAYOUTS["gemma4_text"] = Layout(
                    Norm("d_head", where="kv_own_local"), Norm("d_head_global", where="kv_own_global"))
     + (Norm(where="moe"),) * 4 + (Norm("n_experts", where="moe"),),
     _RMS, cache="own", outside=(("vocab_ple", "ple_all"), ("d_model", "ple_all"), ("one", "ple")))
-# Multimodal checkpoints whose config.json wraps the text model the sizer prices (the vision tower is left out).
-WRAPPERS = ("kimi_k25", "qwen3_5")
+# Multimodal checkpoints whose config.json wraps the text model the sizer prices (the vision tower is left out):
+# the ones load_model serves as their text model.
+WRAPPERS = tuple(aliases.WRAPPERS)
 # Model types that are another family's shape under a new name: arch/aliases.ALIASES, which load_model reads too.
