@@ -328,8 +328,11 @@ def vllm_model_types() -> tuple[str, ...]:
 
 
 def table_for(config) -> Arch | None:
-    """The family table of config.model_type, or None."""
-    return _registry().get(getattr(config, "model_type", None))
+    """The family table of config.model_type (an alias's: vLLM reads Kimi-K2's as kimi_k2), or None."""
+    from interp_engine.arch.aliases import ALIASES
+
+    kind = getattr(config, "model_type", None)
+    return _registry().get(ALIASES.get(kind, kind))
 
 
 def arch_for(config, *, name: str = "this model") -> Arch:
