@@ -183,10 +183,15 @@ def test_the_validators_deepseek_models_have_the_real_latent_and_every_layers_po
 @requires("vllm")
 def test_a_kimi_k2_folder_loads_on_vllm_without_its_code(built):
     """Its config.json's auto_map names Moonshot's code: the vLLM backends read the tokenizer with the config read
-    as DeepSeek-V3's, as eager does (no engine starts here: load_model is lazy)."""
+    as DeepSeek-V3's, as eager does (no engine starts here: load_model is lazy); vLLM's own config keeps the model
+    type kimi_k2, which the workers' table lookup reads as deepseek_v3 (else: a discovered residual stream)."""
+    from types import SimpleNamespace
+
     from interp_engine import load_model
+    from interp_engine.arch import table_for
     from validator.comparison.validate import resolve_model
 
     path, _ = resolve_model("kimi_k2", built)
     model = load_model(path, backend="vllm")
     assert model.arch.family == "deepseek_v3" and not model.is_loaded and model.tokenizer is not None
+    assert table_for(SimpleNamespace(model_type="kimi_k2")).family == "deepseek_v3"
