@@ -23,6 +23,7 @@ from interp_engine.backends.vllm import compat, engine, results, wire
 from interp_engine.backends.vllm.call_requests import CallRequests
 from interp_engine.backends.vllm.capabilities import for_handle
 from interp_engine.backends.vllm.compat import resource_tracker_pid
+from interp_engine.backends.vllm.dispatch import Dispatcher
 from interp_engine.backends.vllm.life import EngineLife, shut_down_error
 from interp_engine.backends.vllm.procs import close_children, deferred_interrupt, environ, exited, running
 from interp_engine.backends.vllm.result_sizes import ResultSizes
@@ -52,10 +53,7 @@ class VllmRuntime(TokenizerRuntime):
         self.llm, self._procs, self._sockets = None, [], None  # _sockets: see engine.SOCKETS
         self._tables: dict[str, dict] = {}  # spec fingerprint -> compiled table (plain data), driver side only
         self._lock = threading.Lock()  # loading, unloading and the table cache
-        # One thread talks to the engine at a time (vLLM's sync client is not thread-safe), a step or an RPC at a
-        # time. Calls from several threads interleave there, so their requests share vLLM's batches.
-        self._engine_lock = threading.Lock()
-        self._owners: dict[str, CallRequests] = {}  # request id -> its call, until its output arrives
+        self._dispatch = Dispatcher()  # the engine lock, and which call owns each request in flight
         # Bumped by unload: a call that entered before a shutdown() fails rather than load the engine again.
         self._epoch, self._entered = 0, threading.local()
         self._life: EngineLife | None = None  # the live engine's processes, watchdog and guard
@@ -119,7 +117,7 @@ class VllmRuntime(TokenizerRuntime):
         procs, self._procs = self._procs, []
         life, self._life = self._life, None
         self._epoch += 1
-        self._owners.clear()
+        self._dispatch.owners.clear()
         # A faulted engine's processes have nothing to finish: give them 2 s, not 20, before they are killed.
         grace = 20 if life is None or life.fault is None else 2
         if life is not None:
@@ -150,7 +148,7 @@ class VllmRuntime(TokenizerRuntime):
                 raise shut_down_error(self.name)
         else:
             life = self._attach(None)
-        with deferred_interrupt(), self._engine_lock, life.waiting():  # see _finish: the wait is a Condition's
+        with deferred_interrupt(), self._dispatch.lock, life.waiting():  # see Dispatcher.finish: the wait is a Condition's
             return life.llm.collective_rpc(method, args=args)
 
     def _attach(self, call: str | None) -> EngineLife:
@@ -232,14 +230,14 @@ class VllmRuntime(TokenizerRuntime):
                 if not flight:
                     return
                 requests, prompts, reads = flight[0]
-                self._finish(requests)
+                self._dispatch.finish(requests)
                 self._sizes.learn(tables.pop(requests.call), sum(prompts.lengths))
                 blob = self._collect(requests.call)
                 flight.popleft()
                 yield prompts, flatten(blob, reads, prompts.lengths)
         finally:  # an error, or the consumer stopped: nothing of these calls may stay in the engine
             for requests, _, _ in flight:
-                self._abort(requests)
+                self._dispatch.abort(requests)
                 self._release(requests.call)
 
     def _generate(self, prompts: Prompts, plan: Plan, *, max_new_tokens: int, temperature: float,
@@ -337,57 +335,16 @@ class VllmRuntime(TokenizerRuntime):
             self._submit(requests, inputs, params)
             if then is not None:
                 then()
-            self._finish(requests, progress=progress)
+            self._dispatch.finish(requests, progress=progress)
         except BaseException:
-            self._abort(requests)
+            self._dispatch.abort(requests)
             raise
         return [requests.outputs[i] for i in requests.ids]
 
     def _submit(self, requests: CallRequests, inputs: list, params: list) -> None:
         if requests.life is None:
             requests.life = self._calls.get(requests.call) or self._attach(None)
-        llm = requests.life.llm
-        with self._engine_lock, requests.life.waiting():  # a dead engine is reported as such, not as vLLM's
-            for prompt, param in zip(inputs, params):
-                request = wire.request_id(requests.call, len(requests.ids))
-                # Recorded before it is added: an interrupt inside add_request still finds it to abort.
-                requests.ids.append(request)
-                requests.waiting.add(request)
-                self._owners[request] = requests
-                compat.add_request(llm, request, prompt, param)
-
-    def _finish(self, requests: CallRequests, *, progress: bool = False) -> None:
-        """Step the engine until these requests have finished. Another thread's call may be stepping it too: each
-        step's finished outputs go to the call owning them, so calls share batches and wait only for the step."""
-        from interp_engine.progress import bar as progress_bar
-
-        life = requests.life
-        if life is None:  # nothing was submitted
-            return
-        llm = life.llm
-        bar = progress_bar(total=len(requests.ids), desc="Processed prompts", progress=progress, dynamic_ncols=True)
-        with bar:
-            while requests.waiting:
-                # Ctrl-C lands after the step: inside a Condition's wait (queue.get) it can become "RuntimeError:
-                # release unlocked lock". Steps are short (chunked prefill); a dead engine's fails at once.
-                with deferred_interrupt(), self._engine_lock, life.waiting():
-                    if not requests.waiting:  # checked after the lock: the thread that
-                        break  # held it may have failed on a faulted engine
-                    for out in compat.step(llm):
-                        if out.finished and (owner := self._owners.pop(out.request_id, None)) is not None:
-                            owner.waiting.discard(out.request_id)
-                            owner.outputs[out.request_id] = out
-                bar.update(len(requests.outputs) - bar.n)
-
-    def _abort(self, requests: CallRequests) -> None:
-        """Take this call's unfinished requests out of the engine."""
-        with contextlib.suppress(Exception), self._engine_lock:  # the original error matters more
-            for request in requests.ids:
-                self._owners.pop(request, None)
-            life = requests.life
-            if requests.waiting and life is not None and life.fault is None:
-                compat.abort_requests(life.llm, list(requests.waiting))
-            requests.waiting.clear()
+        self._dispatch.submit(requests, inputs, params)
 
     def is_alive(self) -> bool:
         """False once the engine is faulted (a process exited or stopped, the protocol died: life.py) or dead."""
