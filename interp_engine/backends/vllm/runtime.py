@@ -20,6 +20,7 @@ from interp_engine.addresses import Address
 from interp_engine.arch import Arch, Dims
 from interp_engine.backends.base import TokenizerRuntime
 from interp_engine.backends.vllm import compat, engine, results, wire
+from interp_engine.backends.vllm.arena import ResultArena, Slot
 from interp_engine.backends.vllm.call_requests import CallRequests
 from interp_engine.backends.vllm.capabilities import for_handle
 from interp_engine.backends.vllm.compat import resource_tracker_pid
@@ -59,7 +60,8 @@ class VllmRuntime(TokenizerRuntime):
         self._life: EngineLife | None = None  # the live engine's processes, watchdog and guard
         self._calls: dict[str, EngineLife] = {}  # call id -> the engine its table went to, until collected
         self._attached = None  # the engine whose workers adopt tables from requests (ATTACH, once per engine)
-        self._sizes = ResultSizes()  # result files reserved ahead, off the worker's path
+        self._sizes = ResultSizes()  # results' sizes by kind of call: arena slots, files reserved ahead
+        self._slots: dict[str, tuple[ResultArena, Slot]] = {}  # call -> its arena slot, until read or released
 
     @property
     def is_loaded(self) -> bool:
@@ -194,12 +196,12 @@ class VllmRuntime(TokenizerRuntime):
         reads = list(dict.fromkeys([*plan.reads, *([LOGITS] if want_logits else [])]))
         call = uuid.uuid4().hex
         with self._table(call):
-            table = self._install(call, plan, reads, width=max(prompts.lengths), lens=lens, prompts=len(prompts))
             tokens = sum(prompts.lengths)
+            table = self._install(call, plan, reads, width=max(prompts.lengths), lens=lens, prompts=len(prompts),
+                                  tokens=tokens)
             self._run(call, *wire.prefill_requests(call, prompts, table), progress=progress and len(prompts) > 1,
                       then=lambda: self._sizes.reserve(table, tokens))
-            self._sizes.learn(table, tokens)
-            blob = self._collect(call)
+            blob = self._collect(call, table, tokens)
         records = assemble(blob, reads or list(lens), prompts.lengths, lens=bool(lens))
         logits = records.get(LOGITS) if want_logits else None  # the workers hand back every position's logits
         logits = logits if logits is None or logits_at is None else at_positions(logits, logits_at, dim=1)
@@ -223,16 +225,16 @@ class VllmRuntime(TokenizerRuntime):
                     prompts, plan = item
                     requests = CallRequests(uuid.uuid4().hex)
                     flight.append((requests, prompts, tuple(plan.reads)))
-                    table = tables[requests.call] = self._install(requests.call, plan, list(plan.reads),
-                                                                  width=max(prompts.lengths), prompts=len(prompts))
+                    table = tables[requests.call] = self._install(
+                        requests.call, plan, list(plan.reads), width=max(prompts.lengths), prompts=len(prompts),
+                        tokens=sum(prompts.lengths))
                     self._submit(requests, *wire.prefill_requests(requests.call, prompts, table))
                     self._sizes.reserve(table, sum(prompts.lengths))
                 if not flight:
                     return
                 requests, prompts, reads = flight[0]
                 self._dispatch.finish(requests)
-                self._sizes.learn(tables.pop(requests.call), sum(prompts.lengths))
-                blob = self._collect(requests.call)
+                blob = self._collect(requests.call, tables.pop(requests.call), sum(prompts.lengths))
                 flight.popleft()
                 yield prompts, flatten(blob, reads, prompts.lengths)
         finally:  # an error, or the consumer stopped: nothing of these calls may stay in the engine
@@ -274,15 +276,27 @@ class VllmRuntime(TokenizerRuntime):
         records = assemble(blob, list(plan.reads), tuple(len(t) for t in new), offsets=prompts.lengths)
         return new, records
 
-    def _collect(self, call: str) -> dict[str, Tensor]:
-        """Rank 0's records: the file a prefill call was handed back in, else COLLECT's (a generation, another host)."""
+    def _collect(self, call: str, table: dict | None = None, tokens: int = 0) -> dict[str, Tensor]:
+        """Rank 0's records: the arena slot or file a prefill call was handed back in (`table`'s; its size is
+        learnt for the next call of its kind), else COLLECT's (a generation, another host). Either way the
+        workers hold nothing of the call afterwards, so a slot not handed over is free again."""
         path = wire.result_path(call)
+        held = self._slots.pop(call, None)
         try:
+            if held is not None and (nbytes := held[0].written(held[1])):
+                self._calls.pop(call, None)
+                arena, slot = held
+                held = None  # handed over with the result: free again once the caller drops it (arena.py)
+                self._sizes.learn(table, tokens, nbytes)
+                return wire.decode(arena.hand_over(slot, nbytes))
             if results.written(path):  # handed back as its last position ran: the workers hold nothing of it
                 self._calls.pop(call, None)
+                self._sizes.learn(table, tokens, os.path.getsize(path))
                 return wire.decode(path)
             return wire.decode(wire.result(self._rpc(wire.COLLECT, call, path, wire.host())))
         finally:
+            if held is not None:
+                held[0].give(held[1])
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 
@@ -296,13 +310,19 @@ class VllmRuntime(TokenizerRuntime):
             raise
 
     def _release(self, call: str) -> None:
-        self._rpc(wire.RELEASE, call)
+        life = self._calls.get(call)
+        try:
+            self._rpc(wire.RELEASE, call)
+        finally:  # a faulted engine's slot stays taken: a stopped worker might yet write it
+            if (held := self._slots.pop(call, None)) is not None and life is not None and life.fault is None:
+                held[0].give(held[1])
         with contextlib.suppress(FileNotFoundError):  # after RELEASE no worker writes it; one written before goes
             os.unlink(wire.result_path(call))
 
     def _install(self, call: str, plan: Plan, reads: list[Address], width: int = 0,
-                 lens: tuple[Address, ...] = (), prompts: int = 0) -> dict:
-        """The call's table, for its first request's tag (workers adopt tables once attached: one RPC per engine)."""
+                 lens: tuple[Address, ...] = (), prompts: int = 0, tokens: int = 0) -> dict:
+        """The call's table, for its first request's tag (workers adopt tables once attached: one RPC per engine);
+        a prefill call's (`tokens` prompt tokens) with an arena slot sized from the last of its kind."""
         spec = plan.spec()
         key = spec.fingerprint()
         with self._lock:
@@ -315,7 +335,11 @@ class VllmRuntime(TokenizerRuntime):
             self._rpc(wire.ATTACH)
             self._attached = life.llm
         compiled = life.saes.put(call, spec, compiled, self._calls, lambda *a: self._rpc(wire.PUT_SAES, *a))
-        return wire.table(call, compiled, key, reads, width=width, lens=lens, prompts=prompts)
+        table = wire.table(call, compiled, key, reads, width=width, lens=lens, prompts=prompts)
+        if prompts and (slot := life.arena.take(self._sizes.expect(table, tokens))) is not None:
+            self._slots[call] = life.arena, slot
+            table = wire.with_slot(table, life.arena.table(slot))
+        return table
 
     weights = fetch_weights  # TransformerLens-shaped, from the workers once per engine
 
