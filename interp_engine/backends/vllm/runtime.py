@@ -261,7 +261,7 @@ class VllmRuntime(TokenizerRuntime):
                 max_tokens=max_new_tokens + capturing, temperature=temperature, top_k=top_k or 0,
                 top_p=top_p or 1.0, seed=None if seed is None else seed + i, detokenize=False,
                 ignore_eos=True, stop_token_ids=[eos] if stop_at_eos and eos is not None and not capturing else None,
-                skip_reading_prefix_cache=tabled, output_kind=RequestOutputKind.FINAL_ONLY,
+                skip_reading_prefix_cache=tabled, output_kind=RequestOutputKind.FINAL_ONLY, skip_clone=True,
                 extra_args=wire.tag(call, i, len(ids), table if i == 0 else None) if tabled else None)
                 for i, ids in enumerate(prompts.ids)]
             outputs = self._run(call, [tokens_input(list(ids), cache_salt=call if tabled else None)

@@ -77,8 +77,10 @@ def prefill_requests(call: str, prompts: "Prompts", table: dict) -> tuple[list, 
     from vllm.inputs import tokens_input
     from vllm.sampling_params import RequestOutputKind
 
+    # skip_clone: each request's params are its own, so vLLM need not deep-copy them as it adds the request
+    # (0.3-0.5 ms a request of driver CPU, the call's table included).
     params = [SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, skip_reading_prefix_cache=True,
-                             output_kind=RequestOutputKind.FINAL_ONLY,
+                             output_kind=RequestOutputKind.FINAL_ONLY, skip_clone=True,
                              extra_args=tag(call, i, len(ids), table if i == 0 else None))
               for i, ids in enumerate(prompts.ids)]
     return [tokens_input(list(ids), cache_salt=call) for ids in prompts.ids], params

@@ -179,6 +179,7 @@ class StepState:
         self.active: list[Active] = []
         self.recording = compat.tp_rank() == 0  # only rank 0's records are handed back
         self.moving: list[tuple[WorkerCall, list, int]] = []  # this step's records on the device: where they are
+        self.hooked: dict[frozenset[Address], list] = {}  # per set of points: its hooking sites (`install`)
 
     def begin(self, positions: Tensor) -> None:
         self.active, self.moving = calls_in_step(self.runner, self.calls, positions), []
@@ -267,15 +268,22 @@ def install(runner, calls: dict[str, WorkerCall], state: StepState | None = None
     model = compat.model(runner)
     state = state or StepState(runner, calls)
     needed = needed_by(calls)
-    handles = []
-    for i, layer in enumerate(model.get_submodule(layout.layers)):
-        if i == 0:  # first of all: map this step's rows to calls
-            handles.append(layer.register_forward_pre_hook(
-                lambda m, args, kwargs: state.begin(layer_positions(args, kwargs)), with_kwargs=True))
-        for site in layer_sites(layout):
-            handles += _hook(site, layer, i, layout, state, needed, model)
-    for site in MODEL_SITES:
-        handles += _hook(site, model, None, layout, state, needed, model)
+    layers = model.get_submodule(layout.layers)
+    # The begin hook first of all: map this step's rows to calls.
+    handles = [layers[0].register_forward_pre_hook(
+        lambda m, args, kwargs: state.begin(layer_positions(args, kwargs)), with_kwargs=True)]
+    # The (layer, site) pairs that hook for this set of points, found once per set: checking every site of every
+    # layer (~110 on a 29M model, nearly all hooking nothing) was most of a small call's install in the worker.
+    sites = state.hooked.pop(needed, None) or [(i, s) for i in range(len(layers)) for s in layer_sites(layout)] + \
+        [(None, s) for s in MODEL_SITES]
+    hooking = []
+    for i, site in sites:
+        if new := _hook(site, model if i is None else layers[i], i, layout, state, needed, model):
+            hooking.append((i, site))
+            handles += new
+    state.hooked[needed] = hooking  # most recent last
+    while len(state.hooked) > 64:
+        state.hooked.pop(next(iter(state.hooked)))
     return state, handles
 
 
