@@ -193,6 +193,7 @@ def test_a_call_failing_in_the_workers_fails_alone(engine):
     assert engine.runtime.is_alive()
     [status] = engine.runtime.worker_status()
     assert status["calls"] == 0 and status["hooks"] == 0, status
+    assert not engine.runtime._slots, "the failed call's arena slot was not given back"
 
 
 def _served(engine, plan: Plan) -> tuple[list[int], "object"]:

@@ -1,6 +1,7 @@
 """backend="vllm" against the eager backend on the same prompts: every point, every op, per-request rows."""
 
 import asyncio
+import glob
 import os
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 
 from interp_engine import BackendError, capture, generate, load_model, logit_lens, run_with_grad, steer
 from interp_engine import spec as S
-from interp_engine.backends.vllm import sae_refs
+from interp_engine.backends.vllm import sae_refs, wire
 from interp_engine.errors import SpecError
 from tests.conftest import (PROMPTS, check_each_request_gets_its_own_vector,
                             check_no_steered_kv_reaches_a_plain_call, no_child_survives, random_sae)
@@ -29,6 +30,7 @@ def served(request, tiny_path):
         ENVIRON[request.param] = before, dict(os.environ)
         yield request.param, model
         asyncio.run(model.shutdown())
+    assert not glob.glob(wire.result_path("arena-*")), "the result arena's file outlived its engine"
 
 
 @pytest.fixture(autouse=True)
@@ -38,6 +40,7 @@ def no_worker_tables_survive(request):
         _, model = request.getfixturevalue("served")
         if model.is_loaded:
             assert model.runtime.worker_status() == [{"calls": 0, "hooks": 0}]
+        assert not model.runtime._slots, "a call ended (or failed) still holding its arena slot"
 
 
 def test_the_engine_start_leaves_the_driver_environment_as_it_was(served):
@@ -76,6 +79,28 @@ def test_every_point_equals_eager_on_a_ragged_batch(served, eager):
     assert ours.lengths == theirs.lengths
     for address in points:
         _close(ours[address], theirs[address])
+
+
+def test_results_come_through_the_arena_and_a_held_result_is_never_overwritten(served, eager):
+    """Results are views of the engine's arena (arena.py), handed over: a result still held keeps its pages
+    through later calls (it stays equal to eager's), and a dropped one's pages serve the next call."""
+    family, model = served
+    reference, points = eager(family), ["resid_post.1", "mlp_out.0"]
+    # One prompt a call: its rows are handed over as they are (a ragged batch's are padded, a copy, and its slot
+    # is free again at once).
+    capture(model, PROMPTS[:1], points)  # a first call of its kind: now its size is known
+    whole = model.runtime._life.arena._whole
+    inside = lambda t: whole.data_ptr() <= t.untyped_storage().data_ptr() < whole.data_ptr() + len(whole)
+    held = capture(model, PROMPTS[:1], points)
+    assert inside(held["resid_post.1"])
+    dropped = capture(model, PROMPTS[1:2], points)
+    where = dropped["resid_post.1"].untyped_storage().data_ptr()
+    del dropped
+    again = capture(model, PROMPTS[2:], points)
+    assert again["resid_post.1"].untyped_storage().data_ptr() == where  # the dropped call's pages, reused
+    theirs = capture(reference, PROMPTS[:1], points)
+    for address in points:
+        _close(held[address], theirs[address])
 
 
 @pytest.mark.parametrize("make", [

@@ -5,6 +5,7 @@ failure, as it happens, is written by rank 0 to the call's file on the driver's 
 leave the worker, so the driver answers the moment its last request ends and releases the table afterwards.
 """
 
+import os
 from dataclasses import dataclass, field
 
 from torch import Tensor
@@ -24,6 +25,7 @@ class WorkerCall:
     lens: frozenset[Address] = frozenset()  # points read through the final norm and unembedding, here
     prompts: int = 0  # a prefill call's prompts, handed back once each one's last position has run; 0: collected
     path: str = ""  # where rank 0 writes a handed-back call's records (the driver's host only)
+    slot: tuple | None = None  # (arena, offset, size): where they go instead if they fit (`arena.py`)
     failures: bool = False  # a steering call: its failure goes to `path` as it happens (see the module's text)
     ended: set[int] = field(default_factory=set)  # prompts whose last position has run
     records: dict[Address | str, list[tuple[Tensor, Tensor, Tensor]]] = field(default_factory=dict)
@@ -47,7 +49,8 @@ class WorkerCall:
             ops.setdefault(op.point, []).append(op)
         return cls({a: tuple(o) for a, o in ops.items()}, frozenset(Address.parse(r) for r in table["reads"]),
                    int(table.get("width", 0)), frozenset(Address.parse(r) for r in table.get("lens", ())),
-                   int(table.get("prompts", 0)), local_path(table), table.get("failures") is True)
+                   int(table.get("prompts", 0)), local_path(table), failures=table.get("failures") is True,
+                   slot=_slot(table) if local_path(table) else None)
 
     def wants(self, address: Address) -> bool:
         return address in self.ops or address in self.reads or address in self.lens
@@ -67,6 +70,16 @@ def local_path(table: dict) -> str:
     """The table's file, if this worker shares the driver's host (a worker elsewhere cannot hand a file over:
     its results wait for COLLECT)."""
     return str(table.get("path", "")) if wire.same_host(table.get("host", "")) else ""
+
+
+def _slot(table: dict) -> tuple | None:
+    """A table's arena slot, if it names one the way the driver does (`arena.py`): only such a file is mapped."""
+    slot = table.get("slot")
+    if isinstance(slot, list) and len(slot) == 3 and isinstance(slot[0], str) and \
+            os.path.basename(slot[0]).startswith(f"{wire.TAG}-") and "-arena-" in slot[0] and \
+            all(isinstance(n, int) and n >= 0 for n in slot[1:]):
+        return slot[0], slot[1], slot[2]
+    return None
 
 
 def refuse(table: dict, message: str) -> None:

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from interp_engine.backends.vllm import compat, guard, sae_refs, shm, wire
+from interp_engine.backends.vllm.arena import ResultArena
 from interp_engine.backends.vllm.engine import remove_sockets
 from interp_engine.backends.vllm.procs import cpu_seconds, running, stopped
 from interp_engine.errors import BackendError, fix
@@ -46,6 +47,7 @@ class EngineLife:
         shm.sweep_orphans()
         self.fault: str | None = None
         self.saes = sae_refs.Held()  # SAEs its workers hold
+        self.arena = ResultArena()  # prefill results' pages, reused call after call; its file made at first use
         self.send_lock = threading.RLock()  # one message at a time to the engine core, probes included
         self._state = threading.Lock()
         self._waiting = 0  # calls now blocked on the engine
@@ -112,6 +114,7 @@ class EngineLife:
                 os.close(fd)
         remove_sockets(self.sockets)
         self.segments.release()
+        self.arena.close()  # no process of the engine is left to write it
 
     def error(self) -> BackendError:
         if self.fault == SHUT:

@@ -51,6 +51,50 @@ def to_host(values: Sequence[Tensor]) -> list[Tensor]:
 def write(target, tensors: Mapping[str, Sequence[Tensor]], metadata: Mapping[str, str] | None = None) -> None:
     """A safetensors file at `target` (a path, or a binary file object), each tensor given as chunks along its
     first axis (host tensors, each with the others' trailing shape and dtype) and written as they are."""
+    text, buffers, _ = _layout(tensors, metadata)
+    if isinstance(target, str):
+        # Not truncated first: that would free the memory the driver may have reserved for it (`reserve`).
+        with os.fdopen(os.open(target, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
+            _write(f, text, (b.numpy() for b in buffers))
+            f.truncate()
+    else:
+        _write(target, text, (b.numpy() for b in buffers))
+
+
+def write_slot(arena: str, offset: int, size: int, tensors: Mapping[str, Sequence[Tensor]],
+               metadata: Mapping[str, str] | None = None) -> bool:
+    """The same safetensors bytes into a slot of the driver's result arena (`arena.py`: a shared file this
+    process maps once, its pages reused call after call); False, nothing written, if they do not fit. The
+    length that starts them goes last: a slot reads as written only once whole."""
+    text, buffers, total = _layout(tensors, metadata)
+    try:
+        whole = _mapped(arena)
+    except (OSError, ValueError):  # the driver's arena is gone (a shutdown): the call's file still takes them
+        return False
+    if 8 + total > size or offset + size > len(whole):
+        return False
+    at = offset + 8
+    for chunk in (torch.frombuffer(bytearray(text), dtype=torch.uint8), *buffers):
+        whole[at:at + len(chunk)].copy_(chunk)
+        at += len(chunk)
+    whole[offset:offset + 8].copy_(torch.frombuffer(bytearray(len(text).to_bytes(8, "little")), dtype=torch.uint8))
+    return True
+
+
+@functools.cache
+def _mapped(arena: str) -> Tensor:
+    """An arena, mapped shared for this process's life (one per engine: a worker never outlives its engine)."""
+    import mmap
+
+    fd = os.open(arena, os.O_RDWR)
+    try:
+        return torch.frombuffer(mmap.mmap(fd, os.fstat(fd).st_size), dtype=torch.uint8)
+    finally:
+        os.close(fd)
+
+
+def _layout(tensors: Mapping[str, Sequence[Tensor]], metadata: Mapping[str, str] | None):
+    """(header bytes, the chunks' bytes in file order as uint8 tensors, bytes after the length)."""
     # Largest elements first (as safetensors does): every tensor starts aligned for a view of its dtype.
     names = sorted(tensors, key=lambda n: -tensors[n][0].element_size())
     header: dict = {"__metadata__": dict(metadata)} if metadata else {}
@@ -64,14 +108,8 @@ def write(target, tensors: Mapping[str, Sequence[Tensor]], metadata: Mapping[str
         start += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    buffers: Iterable = (c.contiguous().view(torch.uint8).numpy() for n in names for c in tensors[n] if c.numel())
-    if isinstance(target, str):
-        # Not truncated first: that would free the memory the driver may have reserved for it (`reserve`).
-        with os.fdopen(os.open(target, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
-            _write(f, text, buffers)
-            f.truncate()
-    else:
-        _write(target, text, buffers)
+    buffers = [c.contiguous().view(torch.uint8).reshape(-1) for n in names for c in tensors[n] if c.numel()]
+    return text, buffers, len(text) + start
 
 
 def _write(f, text: bytes, buffers: Iterable) -> None:
@@ -115,10 +153,13 @@ def written(path: str) -> bool:
         return False
 
 
-def read(source: str | bytes) -> tuple[dict[str, Tensor], dict[str, str]]:
-    """(tensors, metadata) of a safetensors file (a path) or its bytes, every tensor a view of one buffer: the
-    file mapped privately (copy on write: the file never changes), or the bytes."""
-    if isinstance(source, str):
+def read(source: str | bytes | Tensor) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """(tensors, metadata) of a safetensors file (a path), its bytes or a uint8 tensor holding them (an arena
+    slot), every tensor a view of one buffer: the file mapped privately (copy on write: the file never
+    changes), the bytes, or the tensor."""
+    if isinstance(source, Tensor):
+        buffer = source
+    elif isinstance(source, str):
         buffer = torch.from_file(source, shared=False, size=os.path.getsize(source), dtype=torch.uint8)
     else:
         buffer = torch.frombuffer(bytearray(source), dtype=torch.uint8) if source else torch.empty(0, dtype=torch.uint8)
@@ -136,3 +177,13 @@ def read(source: str | bytes) -> tuple[dict[str, Tensor], dict[str, str]]:
             raw = raw.clone()
         out[name] = raw.view(dtype).view(entry["shape"])
     return out, metadata
+
+
+def extent(buffer: Tensor) -> int:
+    """How many bytes of `buffer` (a uint8 tensor) the safetensors bytes at its start take; 0 if none are there."""
+    n = int.from_bytes(buffer[:8].numpy().tobytes(), "little") if len(buffer) >= 8 else 0
+    if not n:
+        return 0
+    header = json.loads(buffer[8:8 + n].numpy().tobytes())
+    header.pop("__metadata__", None)
+    return 8 + n + max((e["data_offsets"][1] for e in header.values()), default=0)

@@ -20,9 +20,11 @@ from interp_engine.addresses import Address
 from interp_engine.arch import Arch, Dims
 from interp_engine.backends.base import TokenizerRuntime
 from interp_engine.backends.vllm import compat, engine, results, wire
+from interp_engine.backends.vllm.arena import ResultArena, Slot
 from interp_engine.backends.vllm.call_requests import CallRequests
 from interp_engine.backends.vllm.capabilities import for_handle
 from interp_engine.backends.vllm.compat import resource_tracker_pid
+from interp_engine.backends.vllm.dispatch import Dispatcher
 from interp_engine.backends.vllm.life import EngineLife, shut_down_error
 from interp_engine.backends.vllm.procs import close_children, deferred_interrupt, environ, exited, running
 from interp_engine.backends.vllm.result_sizes import ResultSizes
@@ -52,16 +54,14 @@ class VllmRuntime(TokenizerRuntime):
         self.llm, self._procs, self._sockets = None, [], None  # _sockets: see engine.SOCKETS
         self._tables: dict[str, dict] = {}  # spec fingerprint -> compiled table (plain data), driver side only
         self._lock = threading.Lock()  # loading, unloading and the table cache
-        # One thread talks to the engine at a time (vLLM's sync client is not thread-safe), a step or an RPC at a
-        # time. Calls from several threads interleave there, so their requests share vLLM's batches.
-        self._engine_lock = threading.Lock()
-        self._owners: dict[str, CallRequests] = {}  # request id -> its call, until its output arrives
+        self._dispatch = Dispatcher()  # the engine lock, and which call owns each request in flight
         # Bumped by unload: a call that entered before a shutdown() fails rather than load the engine again.
         self._epoch, self._entered = 0, threading.local()
         self._life: EngineLife | None = None  # the live engine's processes, watchdog and guard
         self._calls: dict[str, EngineLife] = {}  # call id -> the engine its table went to, until collected
         self._attached = None  # the engine whose workers adopt tables from requests (ATTACH, once per engine)
-        self._sizes = ResultSizes()  # result files reserved ahead, off the worker's path
+        self._sizes = ResultSizes()  # results' sizes by kind of call: arena slots, files reserved ahead
+        self._slots: dict[str, tuple[ResultArena, Slot]] = {}  # call -> its arena slot, until read or released
 
     @property
     def is_loaded(self) -> bool:
@@ -119,7 +119,7 @@ class VllmRuntime(TokenizerRuntime):
         procs, self._procs = self._procs, []
         life, self._life = self._life, None
         self._epoch += 1
-        self._owners.clear()
+        self._dispatch.owners.clear()
         # A faulted engine's processes have nothing to finish: give them 2 s, not 20, before they are killed.
         grace = 20 if life is None or life.fault is None else 2
         if life is not None:
@@ -150,7 +150,7 @@ class VllmRuntime(TokenizerRuntime):
                 raise shut_down_error(self.name)
         else:
             life = self._attach(None)
-        with deferred_interrupt(), self._engine_lock, life.waiting():  # see _finish: the wait is a Condition's
+        with deferred_interrupt(), self._dispatch.lock, life.waiting():  # see Dispatcher.finish: the wait is a Condition's
             return life.llm.collective_rpc(method, args=args)
 
     def _attach(self, call: str | None) -> EngineLife:
@@ -196,12 +196,12 @@ class VllmRuntime(TokenizerRuntime):
         reads = list(dict.fromkeys([*plan.reads, *([LOGITS] if want_logits else [])]))
         call = uuid.uuid4().hex
         with self._table(call):
-            table = self._install(call, plan, reads, width=max(prompts.lengths), lens=lens, prompts=len(prompts))
             tokens = sum(prompts.lengths)
+            table = self._install(call, plan, reads, width=max(prompts.lengths), lens=lens, prompts=len(prompts),
+                                  tokens=tokens)
             self._run(call, *wire.prefill_requests(call, prompts, table), progress=progress and len(prompts) > 1,
                       then=lambda: self._sizes.reserve(table, tokens))
-            self._sizes.learn(table, tokens)
-            blob = self._collect(call)
+            blob = self._collect(call, table, tokens)
         records = assemble(blob, reads or list(lens), prompts.lengths, lens=bool(lens))
         logits = records.get(LOGITS) if want_logits else None  # the workers hand back every position's logits
         logits = logits if logits is None or logits_at is None else at_positions(logits, logits_at, dim=1)
@@ -225,21 +225,21 @@ class VllmRuntime(TokenizerRuntime):
                     prompts, plan = item
                     requests = CallRequests(uuid.uuid4().hex)
                     flight.append((requests, prompts, tuple(plan.reads)))
-                    table = tables[requests.call] = self._install(requests.call, plan, list(plan.reads),
-                                                                  width=max(prompts.lengths), prompts=len(prompts))
+                    table = tables[requests.call] = self._install(
+                        requests.call, plan, list(plan.reads), width=max(prompts.lengths), prompts=len(prompts),
+                        tokens=sum(prompts.lengths))
                     self._submit(requests, *wire.prefill_requests(requests.call, prompts, table))
                     self._sizes.reserve(table, sum(prompts.lengths))
                 if not flight:
                     return
                 requests, prompts, reads = flight[0]
-                self._finish(requests)
-                self._sizes.learn(tables.pop(requests.call), sum(prompts.lengths))
-                blob = self._collect(requests.call)
+                self._dispatch.finish(requests)
+                blob = self._collect(requests.call, tables.pop(requests.call), sum(prompts.lengths))
                 flight.popleft()
                 yield prompts, flatten(blob, reads, prompts.lengths)
         finally:  # an error, or the consumer stopped: nothing of these calls may stay in the engine
             for requests, _, _ in flight:
-                self._abort(requests)
+                self._dispatch.abort(requests)
                 self._release(requests.call)
 
     def _generate(self, prompts: Prompts, plan: Plan, *, max_new_tokens: int, temperature: float,
@@ -261,7 +261,7 @@ class VllmRuntime(TokenizerRuntime):
                 max_tokens=max_new_tokens + capturing, temperature=temperature, top_k=top_k or 0,
                 top_p=top_p or 1.0, seed=None if seed is None else seed + i, detokenize=False,
                 ignore_eos=True, stop_token_ids=[eos] if stop_at_eos and eos is not None and not capturing else None,
-                skip_reading_prefix_cache=tabled, output_kind=RequestOutputKind.FINAL_ONLY,
+                skip_reading_prefix_cache=tabled, output_kind=RequestOutputKind.FINAL_ONLY, skip_clone=True,
                 extra_args=wire.tag(call, i, len(ids), table if i == 0 else None) if tabled else None)
                 for i, ids in enumerate(prompts.ids)]
             outputs = self._run(call, [tokens_input(list(ids), cache_salt=call if tabled else None)
@@ -276,15 +276,27 @@ class VllmRuntime(TokenizerRuntime):
         records = assemble(blob, list(plan.reads), tuple(len(t) for t in new), offsets=prompts.lengths)
         return new, records
 
-    def _collect(self, call: str) -> dict[str, Tensor]:
-        """Rank 0's records: the file a prefill call was handed back in, else COLLECT's (a generation, another host)."""
+    def _collect(self, call: str, table: dict | None = None, tokens: int = 0) -> dict[str, Tensor]:
+        """Rank 0's records: the arena slot or file a prefill call was handed back in (`table`'s; its size is
+        learnt for the next call of its kind), else COLLECT's (a generation, another host). Either way the
+        workers hold nothing of the call afterwards, so a slot not handed over is free again."""
         path = wire.result_path(call)
+        held = self._slots.pop(call, None)
         try:
+            if held is not None and (nbytes := held[0].written(held[1])):
+                self._calls.pop(call, None)
+                arena, slot = held
+                held = None  # handed over with the result: free again once the caller drops it (arena.py)
+                self._sizes.learn(table, tokens, nbytes)
+                return wire.decode(arena.hand_over(slot, nbytes))
             if results.written(path):  # handed back as its last position ran: the workers hold nothing of it
                 self._calls.pop(call, None)
+                self._sizes.learn(table, tokens, os.path.getsize(path))
                 return wire.decode(path)
             return wire.decode(wire.result(self._rpc(wire.COLLECT, call, path, wire.host())))
         finally:
+            if held is not None:
+                held[0].give(held[1])
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 
@@ -298,13 +310,19 @@ class VllmRuntime(TokenizerRuntime):
             raise
 
     def _release(self, call: str) -> None:
-        self._rpc(wire.RELEASE, call)
+        life = self._calls.get(call)
+        try:
+            self._rpc(wire.RELEASE, call)
+        finally:  # a faulted engine's slot stays taken: a stopped worker might yet write it
+            if (held := self._slots.pop(call, None)) is not None and life is not None and life.fault is None:
+                held[0].give(held[1])
         with contextlib.suppress(FileNotFoundError):  # after RELEASE no worker writes it; one written before goes
             os.unlink(wire.result_path(call))
 
     def _install(self, call: str, plan: Plan, reads: list[Address], width: int = 0,
-                 lens: tuple[Address, ...] = (), prompts: int = 0) -> dict:
-        """The call's table, for its first request's tag (workers adopt tables once attached: one RPC per engine)."""
+                 lens: tuple[Address, ...] = (), prompts: int = 0, tokens: int = 0) -> dict:
+        """The call's table, for its first request's tag (workers adopt tables once attached: one RPC per engine);
+        a prefill call's (`tokens` prompt tokens) with an arena slot sized from the last of its kind."""
         spec = plan.spec()
         key = spec.fingerprint()
         with self._lock:
@@ -317,7 +335,11 @@ class VllmRuntime(TokenizerRuntime):
             self._rpc(wire.ATTACH)
             self._attached = life.llm
         compiled = life.saes.put(call, spec, compiled, self._calls, lambda *a: self._rpc(wire.PUT_SAES, *a))
-        return wire.table(call, compiled, key, reads, width=width, lens=lens, prompts=prompts)
+        table = wire.table(call, compiled, key, reads, width=width, lens=lens, prompts=prompts)
+        if prompts and (slot := life.arena.take(self._sizes.expect(table, tokens))) is not None:
+            self._slots[call] = life.arena, slot
+            table = wire.with_slot(table, life.arena.table(slot))
+        return table
 
     weights = fetch_weights  # TransformerLens-shaped, from the workers once per engine
 
@@ -337,57 +359,16 @@ class VllmRuntime(TokenizerRuntime):
             self._submit(requests, inputs, params)
             if then is not None:
                 then()
-            self._finish(requests, progress=progress)
+            self._dispatch.finish(requests, progress=progress)
         except BaseException:
-            self._abort(requests)
+            self._dispatch.abort(requests)
             raise
         return [requests.outputs[i] for i in requests.ids]
 
     def _submit(self, requests: CallRequests, inputs: list, params: list) -> None:
         if requests.life is None:
             requests.life = self._calls.get(requests.call) or self._attach(None)
-        llm = requests.life.llm
-        with self._engine_lock, requests.life.waiting():  # a dead engine is reported as such, not as vLLM's
-            for prompt, param in zip(inputs, params):
-                request = wire.request_id(requests.call, len(requests.ids))
-                # Recorded before it is added: an interrupt inside add_request still finds it to abort.
-                requests.ids.append(request)
-                requests.waiting.add(request)
-                self._owners[request] = requests
-                compat.add_request(llm, request, prompt, param)
-
-    def _finish(self, requests: CallRequests, *, progress: bool = False) -> None:
-        """Step the engine until these requests have finished. Another thread's call may be stepping it too: each
-        step's finished outputs go to the call owning them, so calls share batches and wait only for the step."""
-        from interp_engine.progress import bar as progress_bar
-
-        life = requests.life
-        if life is None:  # nothing was submitted
-            return
-        llm = life.llm
-        bar = progress_bar(total=len(requests.ids), desc="Processed prompts", progress=progress, dynamic_ncols=True)
-        with bar:
-            while requests.waiting:
-                # Ctrl-C lands after the step: inside a Condition's wait (queue.get) it can become "RuntimeError:
-                # release unlocked lock". Steps are short (chunked prefill); a dead engine's fails at once.
-                with deferred_interrupt(), self._engine_lock, life.waiting():
-                    if not requests.waiting:  # checked after the lock: the thread that
-                        break  # held it may have failed on a faulted engine
-                    for out in compat.step(llm):
-                        if out.finished and (owner := self._owners.pop(out.request_id, None)) is not None:
-                            owner.waiting.discard(out.request_id)
-                            owner.outputs[out.request_id] = out
-                bar.update(len(requests.outputs) - bar.n)
-
-    def _abort(self, requests: CallRequests) -> None:
-        """Take this call's unfinished requests out of the engine."""
-        with contextlib.suppress(Exception), self._engine_lock:  # the original error matters more
-            for request in requests.ids:
-                self._owners.pop(request, None)
-            life = requests.life
-            if requests.waiting and life is not None and life.fault is None:
-                compat.abort_requests(life.llm, list(requests.waiting))
-            requests.waiting.clear()
+        self._dispatch.submit(requests, inputs, params)
 
     def is_alive(self) -> bool:
         """False once the engine is faulted (a process exited or stopped, the protocol died: life.py) or dead."""

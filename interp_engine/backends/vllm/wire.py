@@ -77,8 +77,10 @@ def prefill_requests(call: str, prompts: "Prompts", table: dict) -> tuple[list, 
     from vllm.inputs import tokens_input
     from vllm.sampling_params import RequestOutputKind
 
+    # skip_clone: each request's params are its own, so vLLM need not deep-copy them as it adds the request
+    # (0.3-0.5 ms a request of driver CPU, the call's table included).
     params = [SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, skip_reading_prefix_cache=True,
-                             output_kind=RequestOutputKind.FINAL_ONLY,
+                             output_kind=RequestOutputKind.FINAL_ONLY, skip_clone=True,
                              extra_args=tag(call, i, len(ids), table if i == 0 else None))
               for i, ids in enumerate(prompts.ids)]
     return [tokens_input(list(ids), cache_salt=call) for ids in prompts.ids], params
@@ -96,6 +98,12 @@ def table(call: str, spec: dict, fingerprint: str, reads, *, width: int = 0, len
     return {"call": call, "spec": spec, "fingerprint": fingerprint, "reads": [str(a) for a in reads],
             "width": width, "lens": [str(a) for a in lens], "prompts": prompts, "failures": failures,
             "path": result_path(call) if prompts or failures else "", "host": host()}
+
+
+def with_slot(table: dict, slot: list) -> dict:
+    """A prefill call's table with its arena slot ([arena path, offset, size], `arena.py`): where rank 0 writes
+    the call's results if they fit (`calls.WorkerCall.slot`), else the call's file still."""
+    return {**table, "slot": slot}
 
 
 # ------------------------------------------------------------------------------------------- failures
@@ -139,9 +147,10 @@ def key(address: Address | str, *, lens: bool = False) -> str:
     return f"{LENS if lens else ''}{address}"
 
 
-def encode(records: Mapping[str, list[tuple[Tensor, Tensor, Tensor]]], *, path: str = "") -> bytes | str:
-    """Worker side: per key, (prompt, position, value) host chunks -> one file at `path` (its name is returned),
-    or its bytes. Chunks are written as they are (`results.write`), never joined; keys recorded at the same rows
+def encode(records: Mapping[str, list[tuple[Tensor, Tensor, Tensor]]], *, path: str = "",
+           slot: tuple | None = None) -> bytes | str:
+    """Worker side: per key, (prompt, position, value) host chunks -> the driver's arena `slot` if they fit
+    there, else one file at `path` (either way `path` is returned), or its bytes. Chunks are written as they are (`results.write`), never joined; keys recorded at the same rows
     (every address of a call, step after step) share one (prompt, position) index, written once."""
     tensors: dict[str, list[Tensor]] = {}
     owners: dict[tuple[int, ...], str] = {}  # the identity of a key's index chunks -> the key holding them
@@ -156,7 +165,8 @@ def encode(records: Mapping[str, list[tuple[Tensor, Tensor, Tensor]]], *, path: 
         tensors[f"{name}|value"] = [c[2] for c in chunks]
     metadata = {ROWS: json.dumps(shared)} if shared else None
     if path:
-        results.write(path, tensors, metadata)
+        if not (slot and results.write_slot(*slot, tensors, metadata)):
+            results.write(path, tensors, metadata)
         return path
     if not tensors:
         return b""
@@ -171,13 +181,13 @@ def encode_failure(message: str, *, in_spec: bool, path: str) -> None:
     results.write(path, {}, {ERROR: message, IN_SPEC: "1" if in_spec else ""})
 
 
-def decode(answer: bytes | str) -> dict[str, Tensor]:
-    """Driver side: what `encode` returned -> the flat tensor dict (a failure file raises the call's error), each
+def decode(answer: bytes | str | Tensor) -> dict[str, Tensor]:
+    """Driver side: what `encode` returned, or an arena slot's bytes -> the flat tensor dict (a failure file raises the call's error), each
     tensor a view of the one mapped file (`results.read`); keys sharing an index get the same index tensors.
     Ctrl-C waits until it is read."""
     from interp_engine.backends.vllm.procs import deferred_interrupt
 
-    if not answer:
+    if not isinstance(answer, Tensor) and not answer:
         return {}
     try:
         with deferred_interrupt():

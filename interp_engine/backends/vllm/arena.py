@@ -1,0 +1,129 @@
+"""The driver's result arena: one shared file per engine whose pages carry prefill results call after call.
+
+A result written into a fresh file each call paid, on every call, for the kernel allocating its pages (in the
+worker), mapping them (in the driver) and freeing them; the arena's pages are allocated once, mapped once in
+each process, and reused. A call takes a slot sized from the last result of its kind (`ResultSizes`); rank 0
+writes there if its result fits, else into the call's own file as before (`results.write_slot`).
+
+Ownership is handed over, not copied out: the tensors a call returns are views of its slot, and the slot is
+free again only once the last of them is gone (a finalizer on the one buffer they all view), so no later call
+ever writes under a result its caller still holds. A caller holding many results only fills the arena: calls
+then fall back to files. A slot whose call failed goes back once the workers hold nothing of the call (after
+RELEASE); one whose engine faulted never does (a stopped worker might still write it). At shutdown the file is
+unlinked: results still held stay valid (their mapping keeps the pages), /dev/shm keeps nothing; a driver killed
+outright leaves it to the next engine's `wire.sweep_orphans`.
+"""
+
+import collections
+import mmap
+import os
+import threading
+import uuid
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from interp_engine.backends.vllm import results, wire
+
+ARENA_BYTES = int(os.environ.get("INTERP_ENGINE_ARENA_BYTES", 64 << 20))  # address space; pages as used
+PAGE = 4096  # slots start on pages: a result's views are aligned, and two slots never share a page
+SMALLEST = 64 << 10  # a slot for a kind of call not seen yet: most one-point calls fit
+HEADROOM = 1.25  # over the last result of the kind: prompts' lengths vary, headers too
+
+
+@dataclass(frozen=True)
+class Slot:
+    offset: int
+    size: int
+
+
+class ResultArena:
+    """One engine's arena: its file (made at the first `take`), free slots, and slots handed to callers."""
+
+    def __init__(self):
+        self.path = ""
+        self._map: mmap.mmap | None = None
+        self._whole: Tensor | None = None
+        self._free: list[tuple[int, int]] = [(0, ARENA_BYTES)]  # (offset, size), in offset order, coalesced
+        self._lock = threading.Lock()
+        # Slots whose results died: appended by finalizers (any thread, even inside take's own allocations),
+        # taken back under the lock by the next take or give.
+        self._returned: collections.deque[Slot] = collections.deque()
+        self.closed = False
+
+    def take(self, nbytes: int) -> Slot | None:
+        """A free slot of at least `nbytes` (header room included), its length cleared; None if none is free."""
+        size = -(-max(int(nbytes * HEADROOM), SMALLEST) // PAGE) * PAGE
+        with self._lock:
+            if self.closed or size > ARENA_BYTES or not self._open():
+                return None
+            self._reclaim()
+            for i, (offset, free) in enumerate(self._free):
+                if free >= size:
+                    self._free[i:i + 1] = [(offset + size, free - size)] if free > size else []
+                    self._whole[offset:offset + 8].zero_()
+                    return Slot(offset, size)
+        return None
+
+    def give(self, slot: Slot) -> None:
+        """A slot back (its call ended without handing it over), once no worker will write it."""
+        self._returned.append(slot)
+        with self._lock:
+            self._reclaim()
+
+    def written(self, slot: Slot) -> int:
+        """The bytes a worker wrote into the slot (0: none, the result went to a file or COLLECT; or shut down)."""
+        whole = self._whole
+        return 0 if whole is None else results.extent(whole[slot.offset:slot.offset + slot.size])
+
+    def hand_over(self, slot: Slot, nbytes: int) -> Tensor:
+        """The slot's bytes as a uint8 tensor: every view of it holds the slot, which comes back when the last dies."""
+        view = memoryview(self._map)[slot.offset:slot.offset + nbytes]  # after `written`: not closed meanwhile
+        weakref.finalize(view, self._returned.append, slot)
+        return torch.frombuffer(view, dtype=torch.uint8)
+
+    def table(self, slot: Slot) -> list:
+        """The slot as a table names it (`wire.table`'s `slot`)."""
+        return [self.path, slot.offset, slot.size]
+
+    def close(self) -> None:
+        """At shutdown: no more slots; the file goes (results held keep their pages through their mapping)."""
+        with self._lock:
+            self.closed = True
+            path, self.path, self._map, self._whole = self.path, "", None, None  # unmapped once nothing views it
+        if path:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    def _open(self) -> bool:
+        if self._map is None:
+            path = wire.result_path(f"arena-{uuid.uuid4().hex}")
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            except OSError:
+                return False
+            try:
+                os.ftruncate(fd, ARENA_BYTES)
+                self._map = mmap.mmap(fd, ARENA_BYTES)
+            except OSError:
+                os.unlink(path)
+                return False
+            finally:
+                os.close(fd)
+            self.path, self._whole = path, torch.frombuffer(self._map, dtype=torch.uint8)
+        return True
+
+    def _reclaim(self) -> None:
+        while self._returned:
+            slot = self._returned.popleft()
+            spans = sorted([*self._free, (slot.offset, slot.size)])
+            self._free = []
+            for offset, size in spans:
+                if self._free and self._free[-1][0] + self._free[-1][1] == offset:
+                    self._free[-1] = (self._free[-1][0], self._free[-1][1] + size)
+                else:
+                    self._free.append((offset, size))

@@ -1,0 +1,101 @@
+"""The driver's result arena (`backends/vllm/arena.py`): slots written as a worker writes them
+(`wire.encode(..., slot=...)`), read back against the same records encoded as plain bytes, reused only once
+the results handed over are gone, never under a result still held, and nothing left in /dev/shm at close.
+No engine is started (the engine-level checks are in test_vllm_backend.py)."""
+
+import glob
+import os
+
+import torch
+
+from interp_engine.backends.vllm import arena as arena_module, calls, wire
+from interp_engine.backends.vllm.arena import ResultArena
+
+
+def _records(seed: int, rows: int = 12, width: int = 8):
+    g = torch.Generator().manual_seed(seed)
+    prompts, positions = torch.arange(rows) // 4, torch.arange(rows) % 4
+    return {"resid_post.1": [(prompts, positions, torch.randn(rows, width, generator=g))],
+            "resid_post.2": [(prompts, positions, torch.randn(rows, width, generator=g).bfloat16())]}
+
+
+def _handed_back(arena: ResultArena, records, call: str):
+    """What the driver reads for a call whose worker wrote `records`: (the slot, its result or None)."""
+    slot = arena.take(1000)
+    path = wire.result_path(call)
+    try:
+        wire.encode(records, path=path, slot=tuple(arena.table(slot)))
+        nbytes = arena.written(slot)
+        return slot, (wire.decode(arena.hand_over(slot, nbytes)) if nbytes else None), os.path.exists(path)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+def _equal(flat, records) -> bool:
+    reference = wire.decode(wire.encode(records))  # bytes: no arena, no file
+    return flat.keys() == reference.keys() and all(torch.equal(flat[k], v) for k, v in reference.items())
+
+
+def test_a_slot_is_reused_only_after_its_result_is_dropped_and_never_under_a_held_result():
+    arena = ResultArena()
+    try:
+        first_records, second_records = _records(0), _records(1)
+        slot, first, to_file = _handed_back(arena, first_records, "a")
+        assert first is not None and not to_file and _equal(first, first_records)
+        held = {k: v.clone() for k, v in first.items()}
+        other, second, _ = _handed_back(arena, second_records, "b")  # while the first is held
+        assert other.offset != slot.offset and _equal(second, second_records)
+        assert all(torch.equal(first[k], v) for k, v in held.items())  # untouched by the second call
+        del second  # its views die here (refcounting): the slot is free again
+        again, third, _ = _handed_back(arena, _records(2), "c")
+        assert again.offset == other.offset  # the dropped result's pages, reused
+        assert all(torch.equal(first[k], v) for k, v in held.items())
+        del first, third
+        assert arena.take(1000).offset == slot.offset  # everything back, coalesced: the first span again
+    finally:
+        arena.close()
+
+
+def test_a_result_too_large_for_its_slot_goes_to_the_calls_file():
+    arena = ResultArena()
+    try:
+        records = _records(3, rows=4096, width=64)  # 1.5 MB: over the 64 KiB slot of a first call
+        slot, result, to_file = _handed_back(arena, records, "big")
+        assert result is None and to_file and arena.written(slot) == 0
+        arena.give(slot)
+    finally:
+        arena.close()
+
+
+def test_a_full_arena_refuses_slots_and_a_given_back_slot_serves_again(monkeypatch):
+    monkeypatch.setattr(arena_module, "ARENA_BYTES", 4 * arena_module.SMALLEST)
+    arena = ResultArena()
+    try:
+        slots = [arena.take(0) for _ in range(4)]
+        assert None not in slots and arena.take(0) is None
+        arena.give(slots[1])  # a failed call's slot, after RELEASE
+        assert arena.take(0) == slots[1]
+        assert arena.take(10 * arena_module.ARENA_BYTES) is None
+    finally:
+        arena.close()
+
+
+def test_close_leaves_nothing_in_dev_shm_and_results_held_stay_valid():
+    mine = wire.result_path("arena-*")
+    before = set(glob.glob(mine))
+    arena = ResultArena()
+    records = _records(4)
+    _, result, _ = _handed_back(arena, records, "d")
+    assert len(set(glob.glob(mine)) - before) == 1
+    arena.close()
+    assert set(glob.glob(mine)) == before and arena.take(0) is None
+    assert _equal(result, records)  # the mapping keeps its pages after the file is gone
+    del result  # its finalizer runs on a closed arena: nothing happens
+
+
+def test_a_worker_maps_only_a_slot_named_as_the_driver_names_its_arenas():
+    good = [wire.result_path("arena-abc"), 0, 65536]
+    assert calls._slot({"slot": good}) == tuple(good)
+    for bad in (["/etc/passwd", 0, 10], [wire.result_path("x"), 0, 10], [good[0], -1, 10], [good[0], 0], "x"):
+        assert calls._slot({"slot": bad}) is None
