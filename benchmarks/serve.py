@@ -6,13 +6,13 @@ and, on a CPU, the same KV cache size and runner), the same prompts (random toke
 its own vector at the middle layer's resid_post. Reported per N: generated tokens per second and each request's
 p50/p99 latency, for both servers, and the throughput ratio (ours / plain; target >= 0.90 at 32). Then ours
 captures resid_post at the middle layer at every position (8 clients): tokens through the model per second and
-captured bytes per second. Each run starts both servers afresh and keeps both up (an idle one costs nothing): for
-every N, a round against each, back to back, the order alternating from N to N and from run to run, so neither
-server is always the one measured later (a machine that grows busier, or a window that others' processes, started
-before it, share for a while, shows in both). Every round records the cores the machine's other processes used
-meanwhile (`other_processes_cores`): a round over ~0.1 was shared. The medians over runs are reported with their
-spread (min, max). Nothing here asserts a number. `benchmarks/serve_drift.py` runs the rounds on one pair of
-servers for as long as asked (does either slow down with the requests it has served?).
+captured bytes per second. Each run starts each server afresh and alone (a second one up
+beside it would take memory the machine's other users need), plain first in even runs and ours first in odd
+ones, so neither is always the one measured later in a window. Every round records the cores the machine's other
+processes used meanwhile (`other_processes_cores`; a measurement window stops new processes, not those already
+running): a round over ~0.1 was shared. The medians over runs are reported with their spread (min, max). Nothing
+here asserts a number. `benchmarks/serve_drift.py` keeps one pair of servers up for as many rounds as asked: does
+either slow down with the requests it has served?
 
     python -m benchmarks.serve [--quick] [--runs 2] [--clients 1,8,32] [--requests 8] [--out FILE]
 """
@@ -130,8 +130,9 @@ def _busy_s() -> float:
 
 
 def _load(server: Server, bodies: list[dict], requests: int, servers: tuple[Server, ...] = ()) -> dict:
-    """Each body is one client's: it sends `requests` of them, one after another, all clients at once. `servers`:
-    every server of the benchmark, whose CPU (with this process's) is not counted as other processes'."""
+    """Each body is one client's: it sends `requests` of them, one after another, all clients at once.
+    `other_processes_cores`: the cores every process but this one and `servers` (default: `server`) used
+    meanwhile."""
     import httpx
 
     def one_client(body: dict) -> tuple[list[float], int, int, int]:
@@ -177,34 +178,30 @@ def bodies_of(model: Path, kind: str, n: int, new_tokens: int, run: int) -> list
 
 
 def one_run(model: Path, clients: list[int], requests: int, new_tokens: int, logs: Path, run: int) -> list[dict]:
-    """Both servers started afresh (one at a time: a start takes every core) and kept up; for every N a round
-    against each, back to back, the order alternating; then ours captures."""
-    rows, servers = [], {}
-    try:
-        for kind in KINDS:
-            servers[kind] = Server(kind, model, logs / f"{kind}.{run}.log")
-        every = tuple(servers.values())
-        for kind, server in servers.items():  # the first batch of every size runs slower (its first allocations)
-            _load(server, bodies_of(model, kind, max(clients), new_tokens, run), 1, every)
-        for j, n in enumerate(clients):
-            for kind in KINDS if (run + j) % 2 == 0 else KINDS[::-1]:
-                measured = _load(servers[kind], bodies_of(model, kind, max(clients), new_tokens, run)[:n], requests,
-                                 every)
-                rows.append({"run": run, "server": kind, "path": "steered" if kind == "interp" else "plain",
-                             **measured})
-                print(f"run {run} {kind:6} {n:3} clients: {measured['tokens_per_s']:8.1f} tok/s, p50 "
-                      f"{measured['p50_ms']:7.1f} ms, p99 {measured['p99_ms']:7.1f} ms, other processes "
-                      f"{measured['other_processes_cores']:.2f} cores", flush=True)
-        n = min(8, max(clients))
-        layer = json.loads((model / "config.json").read_text())["num_hidden_layers"] // 2
-        bodies = [{k: v for k, v in b.items() if k != "interp"} | {"interp": {"capture": {
-            "points": [f"resid_post.{layer}"]}}} for b in bodies_of(model, "plain", max(clients), new_tokens, run)[:n]]
-        measured = _load(servers["interp"], bodies, requests, every)
-        rows.append({"run": run, "server": "interp", "path": "capture", **measured})
-        print(f"run {run} capture {n:3} clients: {measured['ran_tokens_per_s']:8.1f} tokens through the "
-              f"model/s, {measured['captured_mb_per_s']:.2f} MB/s captured", flush=True)
-    finally:
-        for server in servers.values():
+    """Each server started afresh and alone (plain first in even runs, ours first in odd ones): every N, then
+    (ours) the captures."""
+    rows = []
+    for kind in KINDS if run % 2 == 0 else KINDS[::-1]:
+        server = Server(kind, model, logs / f"{kind}.{run}.log")
+        try:
+            bodies = bodies_of(model, kind, max(clients), new_tokens, run)
+            for n, warm_up in ((max(clients), True), *((n, False) for n in clients)):
+                measured = _load(server, bodies[:n], 1 if warm_up else requests)
+                if not warm_up:  # the first batch of every size runs slower (its first allocations)
+                    rows.append({"run": run, "server": kind, "path": "steered" if kind == "interp" else "plain",
+                                 **measured})
+                    print(f"run {run} {kind:6} {n:3} clients: {measured['tokens_per_s']:8.1f} tok/s, p50 "
+                          f"{measured['p50_ms']:7.1f} ms, p99 {measured['p99_ms']:7.1f} ms, other processes "
+                          f"{measured['other_processes_cores']:.2f} cores", flush=True)
+            if kind == "interp":
+                n = min(8, max(clients))
+                layer = json.loads((model / "config.json").read_text())["num_hidden_layers"] // 2
+                capture = {"capture": {"points": [f"resid_post.{layer}"]}}
+                measured = _load(server, [{**b, "interp": capture} for b in bodies[:n]], requests)
+                rows.append({"run": run, "server": kind, "path": "capture", **measured})
+                print(f"run {run} capture {n:3} clients: {measured['ran_tokens_per_s']:8.1f} tokens through the "
+                      f"model/s, {measured['captured_mb_per_s']:.2f} MB/s captured", flush=True)
+        finally:
             server.stop()
     return rows
 
