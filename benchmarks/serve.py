@@ -75,11 +75,14 @@ class Server:
                                         env={**os.environ, **env, "PYTHONPATH": str(ROOT)})
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 900
-        while not self._healthy():
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"the {kind} server did not start: see {log}")
-            time.sleep(1)
+        try:
+            while not self._healthy():
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the {kind} server did not start: see {log}")
+                time.sleep(1)
+        except BaseException:  # SIGTERM included (`stop_servers_on_sigterm`)
+            self.stop()
+            raise
 
     def _healthy(self) -> bool:
         import httpx
@@ -230,7 +233,14 @@ def summarise(rows: list[dict], clients: list[int]) -> list[dict]:
     return out
 
 
+def stop_servers_on_sigterm() -> None:
+    """SIGTERM (`timeout`, a window's end) unwinds as an exception, so every `finally` stops its server: each runs
+    in its own session, and killed with us it would hold its memory and engine on, unseen."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+
+
 def main() -> None:
+    stop_servers_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the small benchmark model, 1 run, 1 and 8 clients, "
                         "2 requests each, 4 new tokens")

@@ -22,6 +22,7 @@ from benchmarks import serve
 
 
 def main() -> None:
+    serve.stop_servers_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--clients", default="32,1,8", help="clients per round, cycled")
