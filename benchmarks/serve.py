@@ -259,7 +259,9 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     summary = summarise(rows, clients)
-    out.write_text(json.dumps({"model": str(model), "runs": runs, "requests_per_client": requests,
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    out.write_text(json.dumps({"commit": commit.stdout.strip(), "clients": clients, "model": str(model), "runs": runs,
+                               "requests_per_client": requests,
                                "prompt_tokens": PROMPT_LEN, "new_tokens": new_tokens, "busy_at_end": B.busy_fraction(),
                                "env": B.env_info(), "summary": summary, "rows": rows}, indent=1))
     for entry in summary:
