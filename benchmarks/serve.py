@@ -14,7 +14,7 @@ running): a round over ~0.1 was shared. The medians over runs are reported with 
 here asserts a number. `benchmarks/serve_drift.py` keeps one pair of servers up for as many rounds as asked: does
 either slow down with the requests it has served?
 
-    python -m benchmarks.serve [--quick] [--runs 2] [--clients 1,8,32] [--requests 8] [--out FILE]
+    python -m benchmarks.serve [--quick] [--runs 2] [--clients 1,8,32] [--requests 8] [--out FILE] [--first-run K]
 """
 
 import argparse
@@ -249,21 +249,27 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=8, help="per client, one after another")
     parser.add_argument("--new-tokens", type=int, default=B.FULL_NEW_TOKENS)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "serve.json"))
+    parser.add_argument("--first-run", type=int, default=0, help="the first run's index (its prompts, and which "
+                        "server goes first); the rows of earlier runs in --out are kept: runs split over windows")
     args = parser.parse_args()
     clients = [1, 8] if args.quick else [int(c) for c in args.clients.split(",")]
     runs, requests, new_tokens = (1, 2, B.QUICK_NEW_TOKENS) if args.quick else (args.runs, args.requests,
                                                                                args.new_tokens)
     model = B.bench_model(args.quick)
     logs = Path(tempfile.mkdtemp(prefix="bench-serve-"))
-    rows = [r for run in range(runs) for r in one_run(model, clients, requests, new_tokens, logs, run)]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    summary = summarise(rows, clients)
+    rows = [r for r in json.loads(out.read_text())["rows"] if r["run"] < args.first_run] \
+        if args.first_run and out.exists() else []
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    out.write_text(json.dumps({"commit": commit.stdout.strip(), "clients": clients, "model": str(model), "runs": runs,
-                               "requests_per_client": requests,
-                               "prompt_tokens": PROMPT_LEN, "new_tokens": new_tokens, "busy_at_end": B.busy_fraction(),
-                               "env": B.env_info(), "summary": summary, "rows": rows}, indent=1))
+    for run in range(args.first_run, args.first_run + runs):  # written after each: a killed benchmark keeps its runs
+        rows += one_run(model, clients, requests, new_tokens, logs, run)
+        summary = summarise(rows, clients)
+        out.write_text(json.dumps({"commit": commit.stdout.strip(), "clients": clients, "model": str(model),
+                                   "runs": len({r["run"] for r in rows}), "requests_per_client": requests,
+                                   "prompt_tokens": PROMPT_LEN, "new_tokens": new_tokens,
+                                   "busy_at_end": B.busy_fraction(), "env": B.env_info(), "summary": summary,
+                                   "rows": rows}, indent=1))
     for entry in summary:
         if "clients" in entry:
             print(f"{entry['clients']:3} clients: ratio {entry['throughput_ratio']:.2f}  interp p50/p99 "
