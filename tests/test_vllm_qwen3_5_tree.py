@@ -15,9 +15,8 @@ import pytest
 
 from interp_engine.arch.vllm_cpu import CPU_REFUSALS
 from tests.skips import requires
-from tests.vllm_tree import module_tree
+from tests.vllm_tree import check_hybrid_tree, module_tree
 
-LINEAR = (0, 2)  # tiny.py: linear, full, linear
 SHIM = """import os, sys, tempfile
 os.environ["VLLM_CACHE_ROOT"] = tempfile.mkdtemp()
 import transformers.models.qwen2_vl.image_processing_pil_qwen2_vl as pil
@@ -25,22 +24,6 @@ sys.modules["transformers.models.qwen2_vl.image_processing_qwen2_vl"] = pil
 import vllm.model_executor.models.registry as registry
 registry._run_in_subprocess = lambda fn: fn()
 """
-
-
-def _check(tree: dict, table, root: str = "") -> None:
-    at_root = lambda path: root + path  # noqa: E731
-    assert tree[at_root(table.layers)] == "ModuleList" and at_root(table.final_norm) in tree
-    for i in range(3):
-        at = lambda path: at_root(f"{table.layers}.{i}.{path}")  # noqa: E731
-        for path in (table.mlp_out, table.mid_norm, *(p for p in (table.router, table.mlp_down, table.mlp_in) if p)):
-            assert at(path) in tree, at(path)
-        linear = i in LINEAR
-        assert (at(table.linear_attn) in tree) == linear and (at(table.attn_out) in tree) == (not linear)
-        if linear:
-            assert "GatedDeltaNet" in tree[at(table.linear_attn)], tree[at(table.linear_attn)]
-            assert tree[at(table.lin_norm)] == "RMSNormGated", tree[at(table.lin_norm)]
-        else:
-            assert tree[at(table.attention)] == tree[at(table.z_out)] == "Attention"
 
 
 @requires("vllm")
@@ -52,7 +35,7 @@ def test_the_vllm_table_names_modules_of_vllms_own_qwen3_5_tree(tiny_path, famil
 
     table = _registry()[family].vllm
     tree, _ = module_tree(tiny_path(family), "qwen3_5", cls, dtype="bfloat16", prelude=SHIM)
-    _check(tree, table)
+    check_hybrid_tree(tree, table)
     mlp = tree[f"{table.layers}.0.{table.mlp_out}"]
     assert mlp == ("Qwen3NextSparseMoeBlock" if "moe" in family else "Qwen2MoeMLP"), mlp
 
@@ -77,7 +60,7 @@ def test_the_wrapper_holds_the_text_table_where_the_vllm_backends_resolve_it(tin
                                 "intermediate_size": 32}}
     (folder / "config.json").write_text(json.dumps(config))
     tree, _ = module_tree(folder, "qwen3_5", cls, dtype="bfloat16", prelude=SHIM)
-    _check(tree, _registry()[family].vllm, root=aliases.WRAPPERS[wrapper].vllm_text_model + ".")
+    check_hybrid_tree(tree, _registry()[family].vllm, root=aliases.WRAPPERS[wrapper].vllm_text_model + ".")
     assert "model.layers" not in tree
 
 

@@ -35,3 +35,21 @@ def module_tree(path, module: str, name: str, dtype: str = "float32", overrides:
     assert proc.returncode == 0, proc.stderr[-3000:]
     tree = json.loads(proc.stdout.strip().splitlines()[-1])
     return {k: v[0] for k, v in tree.items()}, {k: v[1] for k, v in tree.items() if v[1]}
+
+
+def check_hybrid_tree(tree: dict, table, root: str = "", linear=(0, 2)) -> None:
+    """A hybrid (Gated DeltaNet + full attention) site table against vLLM's module tree of the tiny model
+    (tiny.py: linear, full, linear), its text model under `root` (a wrapper's)."""
+    at_root = lambda path: root + path  # noqa: E731
+    assert tree[at_root(table.layers)] == "ModuleList" and at_root(table.final_norm) in tree
+    for i in range(3):
+        at = lambda path: at_root(f"{table.layers}.{i}.{path}")  # noqa: E731
+        for path in (table.mlp_out, table.mid_norm, *(p for p in (table.router, table.mlp_down, table.mlp_in) if p)):
+            assert at(path) in tree, at(path)
+        is_linear = i in linear
+        assert (at(table.linear_attn) in tree) == is_linear and (at(table.attn_out) in tree) == (not is_linear)
+        if is_linear:
+            assert "GatedDeltaNet" in tree[at(table.linear_attn)], tree[at(table.linear_attn)]
+            assert tree[at(table.lin_norm)] == "RMSNormGated", tree[at(table.lin_norm)]
+        else:
+            assert tree[at(table.attention)] == tree[at(table.z_out)] == "Attention"
