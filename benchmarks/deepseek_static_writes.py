@@ -2,7 +2,11 @@
 (the real 512 + 64 latent, tests/test_deepseek_vllm.py's model), with no edit in the request. One engine per
 declaration set (each argument: a comma-separated list of writes; each costs a compile): it prints, per set, the
 largest difference from eager at mlp_out.1, router_logits.2, mlp_out.2 and resid_post.2. The validator found
-mlp_out.2 off by ~5.6 under its 10 workload writes (validator/comparison/known.py on branch dsval).
+mlp_out.2 off by ~5.6 under its 10 workload writes (validator/comparison/known.py on branch dsval). The cause seen
+in that compiled graph (Inductor's output code under /tmp/torchinductor_<user>, the graph with two
+`_C.cpu_fused_moe` calls and no `shm_allreduce`): layer 2's expert selection is scheduled before the `_C.onednn_mm`
+that writes layer 2's gate logits into its out buffer, which reuses the memory of the router_logits.1 write's output,
+so layer 2 routes by layer 1's edited logits. VLLM_CPU_CI_ENV=1 runs the graph without Inductor (Dynamo only).
 
     python -m benchmarks.deepseek_static_writes "embed,resid_pre.1,kv_latent.1,attn_out.1" "resid_mid.1,mlp_act.0"
 """

