@@ -6,7 +6,8 @@ mlp_out.2 off by ~5.6 under its 10 workload writes (validator/comparison/known.p
 in that compiled graph (Inductor's output code under /tmp/torchinductor_<user>, the graph with two
 `_C.cpu_fused_moe` calls and no `shm_allreduce`): layer 2's expert selection is scheduled before the `_C.onednn_mm`
 that writes layer 2's gate logits into its out buffer, which reuses the memory of the router_logits.1 write's output,
-so layer 2 routes by layer 1's edited logits. VLLM_CPU_CI_ENV=1 runs the graph without Inductor (Dynamo only).
+so layer 2 routes by layer 1's edited logits. VLLM_CPU_CI_ENV=1 runs the graph without Inductor (Dynamo only). Caveat: with only POINTS declared the 10 writes
+equal eager (measured with and without Inductor): the validator declared every point, which changes the graph.
 
     python -m benchmarks.deepseek_static_writes "embed,resid_pre.1,kv_latent.1,attn_out.1" "resid_mid.1,mlp_act.0"
 """
