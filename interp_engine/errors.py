@@ -40,3 +40,16 @@ class ResultTypeError(InterpEngineError, TypeError):
 def fix(what: str, remedy: str) -> str:
     """Format a message in the house shape: what happened, then an indented `Fix:` line."""
     return f"{what}\n  Fix: {remedy}"
+
+
+def env_bytes(name: str, default: int) -> int:
+    """A positive whole number of bytes from environment variable `name` (unset or empty: `default`)."""
+    import os
+
+    raw = os.environ.get(name, "")
+    if not raw:
+        return default
+    if not raw.isdigit() or int(raw) == 0:
+        raise SpecError(fix(f"{name}={raw!r} is not a positive number of bytes.",
+                            f"set it to whole bytes, e.g. {name}={default} (the default), or unset it."))
+    return int(raw)

@@ -6,10 +6,12 @@ No engine is started (the engine-level checks are in test_vllm_backend.py)."""
 import glob
 import os
 
+import pytest
 import torch
 
 from interp_engine.backends.vllm import arena as arena_module, calls, wire
 from interp_engine.backends.vllm.arena import ResultArena
+from tests.skips import requires
 
 
 def _records(seed: int, rows: int = 12, width: int = 8):
@@ -99,3 +101,30 @@ def test_a_worker_maps_only_a_slot_named_as_the_driver_names_its_arenas():
     assert calls._slot({"slot": good}) == tuple(good)
     for bad in (["/etc/passwd", 0, 10], [wire.result_path("x"), 0, 10], [good[0], -1, 10], [good[0], 0], "x"):
         assert calls._slot({"slot": bad}) is None
+
+
+@pytest.mark.parametrize("raw", ["-1", "0", "abc", "64MiB", "9" * 400 + "x"])
+def test_a_hostile_arena_size_is_refused_with_the_fix_when_the_engine_starts(raw, monkeypatch):
+    """INTERP_ENGINE_ARENA_BYTES is read as an engine's arena is made (not at import): anything but whole positive
+    bytes is refused naming the variable, and nothing is left in /dev/shm."""
+    from interp_engine.errors import SpecError
+
+    before = set(glob.glob(wire.result_path("arena-*")))
+    monkeypatch.setenv(arena_module.ARENA_ENV, raw)
+    with pytest.raises(SpecError, match="INTERP_ENGINE_ARENA_BYTES") as caught:
+        ResultArena()
+    assert "Fix:" in str(caught.value) and set(glob.glob(wire.result_path("arena-*"))) == before
+    monkeypatch.setenv(arena_module.ARENA_ENV, str(8 * arena_module.SMALLEST))
+    assert ResultArena().size == 8 * arena_module.SMALLEST
+
+
+@requires("vllm")
+def test_a_hostile_arena_size_refuses_load_model_before_any_engine_starts(monkeypatch, tiny_path):
+    """load_model checks INTERP_ENGINE_ARENA_BYTES with the other engine arguments: no engine, no child process."""
+    from interp_engine import load_model
+    from interp_engine.errors import SpecError
+    from tests.conftest import no_child_survives
+
+    monkeypatch.setenv(arena_module.ARENA_ENV, "lots")
+    with no_child_survives(), pytest.raises(SpecError, match="INTERP_ENGINE_ARENA_BYTES"):
+        load_model(str(tiny_path("llama")), backend="vllm")

@@ -26,8 +26,9 @@ import torch
 from torch import Tensor
 
 from interp_engine.backends.vllm import results, wire
+from interp_engine.errors import env_bytes
 
-ARENA_BYTES = int(os.environ.get("INTERP_ENGINE_ARENA_BYTES", 64 << 20))  # address space; pages as used
+ARENA_ENV, ARENA_BYTES = "INTERP_ENGINE_ARENA_BYTES", 64 << 20  # address space; pages as used
 PAGE = 4096  # slots start on pages: a result's views are aligned, and two slots never share a page
 SMALLEST = 64 << 10  # a slot for a kind of call not seen yet: most one-point calls fit
 HEADROOM = 1.25  # over the last result of the kind: prompts' lengths vary, headers too
@@ -43,10 +44,11 @@ class ResultArena:
     """One engine's arena: its file (made at the first `take`), free slots, and slots handed to callers."""
 
     def __init__(self):
+        self.size = env_bytes(ARENA_ENV, ARENA_BYTES)  # read at engine start: a bad value refused, with the fix
         self.path = ""
         self._map: mmap.mmap | None = None
         self._whole: Tensor | None = None
-        self._free: list[tuple[int, int]] = [(0, ARENA_BYTES)]  # (offset, size), in offset order, coalesced
+        self._free: list[tuple[int, int]] = [(0, self.size)]  # (offset, size), in offset order, coalesced
         self._lock = threading.Lock()
         # Slots whose results died: appended by finalizers (any thread, even inside take's own allocations),
         # taken back under the lock by the next take or give.
@@ -57,7 +59,7 @@ class ResultArena:
         """A free slot of at least `nbytes` (header room included), its length cleared; None if none is free."""
         size = -(-max(int(nbytes * HEADROOM), SMALLEST) // PAGE) * PAGE
         with self._lock:
-            if self.closed or size > ARENA_BYTES or not self._open():
+            if self.closed or size > self.size or not self._open():
                 return None
             self._reclaim()
             for i, (offset, free) in enumerate(self._free):
@@ -107,8 +109,8 @@ class ResultArena:
             except OSError:
                 return False
             try:
-                os.ftruncate(fd, ARENA_BYTES)
-                self._map = mmap.mmap(fd, ARENA_BYTES)
+                os.ftruncate(fd, self.size)
+                self._map = mmap.mmap(fd, self.size)
             except OSError:
                 os.unlink(path)
                 return False

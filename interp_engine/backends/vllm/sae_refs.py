@@ -14,13 +14,12 @@ evicted, so while calls in flight name more than the bound, the workers hold mor
 A call whose SAEs alone exceed the bound is refused before anything is sent.
 """
 
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Container
 
 from interp_engine import sae as sae_module
-from interp_engine.errors import SpecError, fix
+from interp_engine.errors import SpecError, env_bytes, fix
 from interp_engine.sae import KEPT, SAE
 from interp_engine.tensor_data import TensorData
 
@@ -40,14 +39,7 @@ def size(sae: SAE) -> int:
 
 def bound() -> int:
     """The bytes of SAEs the workers may hold (`INTERP_ENGINE_SAE_BYTES`)."""
-    raw = os.environ.get(BOUND_ENV, "")
-    if not raw:
-        return DEFAULT_BOUND
-    if not raw.isdigit() or int(raw) == 0:
-        raise SpecError(fix(f"{BOUND_ENV}={raw!r} is not a positive number of bytes.",
-                            f"set it to whole bytes, e.g. {BOUND_ENV}={8 << 30} (8 GiB), or unset it "
-                            f"({DEFAULT_BOUND >> 30} GiB)."))
-    return int(raw)
+    return env_bytes(BOUND_ENV, DEFAULT_BOUND)
 
 
 def referenced(spec, compiled: dict) -> tuple[dict, dict[str, SAE]]:
