@@ -1,6 +1,8 @@
 """A driver process for tests/test_engine_life.py: `python -m tests.engine_driver MODE MODEL_DIR [N]`.
 
-It loads MODEL_DIR on vllm, prints `pids <engine pids>` and then, by MODE:
+It loads MODEL_DIR on vllm through its first call, prints `pids <engine pids>`, then `first freed` if that
+call's result, once dropped, was freed and its arena slot served the next call (`first held` if not), and then,
+by MODE:
 - `idle`: waits to be killed (SIGKILL: its engine must not outlive it);
 - `interrupts`: captures in a loop; after each Ctrl-C (KeyboardInterrupt) the next capture must equal the solo
   one (prints `ok i` or `bad i`; `error i ...` and the traceback on stderr for anything else raised); after N
@@ -10,6 +12,7 @@ It loads MODEL_DIR on vllm, prints `pids <engine pids>` and then, by MODE:
 import asyncio
 import sys
 import time
+import weakref
 
 import torch
 
@@ -23,10 +26,22 @@ def say(*words) -> None:
     print(*words, flush=True)
 
 
+def first_call(model) -> str:
+    """The call that loads the engine, in a process where vLLM was never imported: its result must die with the
+    caller's last reference (vLLM's import once kept the loading call's frames, and so its result, for good)."""
+    first = capture(model, PROMPTS[:1], POINTS, progress=False)  # one prompt: its rows are views of its slot
+    where, dropped = first[POINTS[0]].untyped_storage().data_ptr(), weakref.ref(first[POINTS[0]])
+    del first
+    again = capture(model, PROMPTS[:1], POINTS, progress=False)
+    return "freed" if dropped() is None and again[POINTS[0]].untyped_storage().data_ptr() == where else "held"
+
+
 def main(mode: str, folder: str, n: int = 0) -> None:
     model = load_model(folder, backend="vllm")
+    first = first_call(model)
     expected = capture(model, PROMPTS, POINTS, progress=False)
     say("pids", *[p.pid for p in model.runtime._procs])
+    say("first", first)
     if mode == "idle":
         while True:
             time.sleep(3600)

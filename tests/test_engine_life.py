@@ -185,7 +185,7 @@ def test_ctrl_c_inside_an_engine_wait_lands_after_it(tiny_path, monkeypatch):
         _shut(model, before)
 
 
-WORDS = {"pids", "go", "ok", "bad", "closed", "error"}  # the driver's own lines; vLLM logs to the same stdout
+WORDS = {"pids", "first", "go", "ok", "bad", "closed", "error"}  # the driver's own lines; vLLM logs to the same stdout
 
 
 class _Driver:
@@ -218,16 +218,31 @@ class _Driver:
         return "\n--- the driver's stderr, last 4000 characters:\n" + self.stderr.read()[-4000:]
 
     def pids(self) -> list[psutil.Process]:
-        words = self.line()
+        """The engine's processes; `first` is what the driver said of its first call (engine_driver.first_call)."""
+        words, self.first = self.line(), self.line()
         assert words[0] == "pids", words
         return [psutil.Process(int(pid)) for pid in words[1:]]
 
 
-@requires("vllm")
-def test_the_engine_dies_with_its_driver_on_sigkill(tiny_path):
+@pytest.fixture(scope="module")
+def idle_driver(tiny_path):
     driver = _Driver("idle", tiny_path("llama"))
     try:
-        engine = driver.pids()
+        yield driver, driver.pids()
+    finally:
+        driver.process.kill()
+
+
+@requires("vllm")
+def test_the_call_that_loads_the_engine_frees_its_result_once_dropped(idle_driver):
+    driver, _ = idle_driver
+    assert driver.first == ["first", "freed"], f"the first call's result outlived its caller{driver.errors()}"
+
+
+@requires("vllm")
+def test_the_engine_dies_with_its_driver_on_sigkill(idle_driver):
+    driver, engine = idle_driver
+    try:
         assert engine
         driver.process.kill()
         driver.process.wait(10)

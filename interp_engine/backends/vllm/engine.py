@@ -4,6 +4,7 @@ start with (set by the driver for the start only, see `procs.environ`)."""
 import os
 import shutil
 import tempfile
+import threading
 from typing import Any
 
 import torch
@@ -14,6 +15,30 @@ from interp_engine.backends.vllm import compat
 
 EXTENSION = "interp_engine.backends.vllm.worker.InterpExtension"
 SOCKETS = "VLLM_RPC_BASE_PATH"  # the folder vLLM binds its ZMQ IPC sockets in
+
+
+def llm_class() -> type:
+    """vLLM's `LLM`, imported on a thread of its own. A module vLLM imports keeps the exception of an optional
+    import that failed (`vllm/multimodal/media/audio.py` keeps torchcodec's ImportError); its traceback's frame
+    links back through every frame that was calling then, and a finished frame keeps its last locals: imported
+    from a lazily loading call, that call's result (and its caller's locals) lived as long as the process. A
+    thread's stack holds nothing of the caller's."""
+    imported: dict[str, Any] = {}
+
+    def run():
+        try:
+            from vllm import LLM
+
+            imported["LLM"] = LLM
+        except BaseException as e:  # raised again in the caller, where it belongs
+            imported["error"] = e
+
+    thread = threading.Thread(target=run, name="interp-engine-import-vllm", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in imported:
+        raise imported["error"]
+    return imported["LLM"]
 
 
 def settings(runtime) -> tuple[dict[str, Any], dict[str, str]]:

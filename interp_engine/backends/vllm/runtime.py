@@ -97,8 +97,7 @@ class VllmRuntime(TokenizerRuntime):
 
     def _engine(self):
         compat.check_version()  # an unsupported vLLM is refused here, not deep in a worker
-        from vllm import LLM
-
+        LLM = engine.llm_class()
         kwargs, env = engine.settings(self)
         self._sockets = env.get(engine.SOCKETS)
         try:
