@@ -94,8 +94,6 @@ class Arch:
     mlp_tail: bool = False
     weights_refusal: str | None = None  # why TransformerLens-shaped weights are not served
     o_proj: str | None = None  # there: attention's output projection (a layer's own W_O, for attn_result)
-    # Config flags this table does not cover: (key, why, fix), refused at load where the flag is set.
-    unserved: tuple[tuple[str, str, str], ...] = ()
 
     @property
     def discovered(self) -> bool:
@@ -229,9 +227,8 @@ def read_dims(config, arch: Arch) -> Dims:
     d_mlp = next((getattr(config, k) for k in arch.d_mlp_keys if getattr(config, k, None)), 4 * d_model)
     if arch.moe is not None and arch.moe.dense_first_key is None:
         _check_every_layer_sparse(config, arch)
-    from interp_engine.arch.layers import check_served_config, layer_kinds, layer_sizes
+    from interp_engine.arch.layers import layer_kinds, layer_sizes
 
-    check_served_config(config, arch)
     width = lambda keys: next((config_value(config, k) for k in keys if config_value(config, k)), 0)  # noqa: E731
     heads = dict(n_kv_heads=config_value(config, "num_key_value_heads") or n_heads,
                  d_head=width(arch.d_head_keys) or d_model // n_heads)

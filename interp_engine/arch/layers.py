@@ -12,7 +12,7 @@ layers' double-wide MLP) says so in `Dims.layer_sizes` (`layer_sizes`), which `v
 result check ask (`Dims.at`).
 """
 
-from interp_engine.errors import LoadError, fix
+from interp_engine.errors import fix
 
 # A linear-attention (Gated DeltaNet) layer's own points, which a softmax-attention layer lacks.
 LINEAR_POINTS = ("lin_q", "lin_k", "lin_v", "lin_beta", "lin_g", "lin_z", "lin_out")
@@ -87,13 +87,6 @@ def config_value(config, key: str):
     if plain is not None and getattr(config, "is_heterogeneous", False):
         return plain(config, key, None)
     return getattr(config, key, None)
-
-
-def check_served_config(config, arch) -> None:
-    """Refuse at load a config that sets a flag the family's table does not cover (`Arch.unserved`)."""
-    for key, why, remedy in arch.unserved:
-        if getattr(config, key, None):
-            raise LoadError(fix(f"this {arch.family} config sets {key}: {why}.", remedy))
 
 
 def lacking(point: str, layer: int, kinds: tuple[tuple[str, ...], ...]) -> str | None:
