@@ -4,14 +4,18 @@ The eager runtime points a loaded model's `_attn_implementation` at `interp_engi
 sdpa, ...). With no site in the call's kwargs they hand straight to the model's own eager function or
 to SDPA, so an un-hooked forward computes exactly what HF computes. A site (injected per call by a pre-hook on
 the attention module and removed with it) gets q/k/v/z and, when asked, recomputes the pattern eagerly so
-attn_scores and attn_probs can be read and written.
+attn_scores and attn_probs can be read and written (`AttentionSite`).
 """
 
 import functools
 import sys
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
+
+from interp_engine.addresses import Address
+from interp_engine.backends.eager.run import Run, at
 
 SITE_KW = "interp_engine_site"
 
@@ -107,3 +111,59 @@ def eager_pattern(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None
     probs = touch_probs(probs)
     out = torch.matmul(probs, v).transpose(1, 2).contiguous()
     return out, probs
+
+
+def _swap(t: Tensor) -> Tensor:
+    """HF attention holds q, k, v head-major; our points present them position-major (typing.Heads / KVHeads).
+    The same view both ways; a plain transpose, as einops would make it, without its per-call parsing."""
+    return t.transpose(1, 2)
+
+
+class AttentionSite:
+    """Handed to our attention function through the attention module's kwargs, for one layer."""
+
+    def __init__(self, run: Run, layer: int, w_o: Callable[[], Tensor] | None = None):
+        self.run, self.layer, self.w_o = run, layer, w_o
+        # Gemma 4: the dict later KV-shared layers read this layer's keys and values from (None: none do).
+        self.shares: dict | None = None
+        self.q, self.k, self.v, self.z, self.scores, self.probs, self.result = (
+            at(p, layer) for p in ("q", "k", "v", "z", "attn_scores", "attn_probs", "attn_result"))
+
+    def _kv(self, address: Address, t: Tensor, q_len: int) -> Tensor:
+        if not self.run.wants(address):
+            return t
+        current = _swap(t[:, :, -q_len:])
+        edited = self.run.touch(address, current)
+        if edited is current:
+            return t
+        edited = _swap(edited)
+        if self.run.step.kv_in_place:  # t is the KV cache's own tensor: later steps must see the edit
+            t[:, :, -q_len:] = edited
+            return t
+        return torch.cat([t[:, :, :-q_len], edited], dim=2) if t.shape[2] > q_len else edited
+
+    def attend(self, base, module, query, key, value, attention_mask, **kwargs):
+        run = self.run
+        if run.wants(self.q):
+            query = _swap(run.touch(self.q, _swap(query)))
+        stored = key, value
+        key = self._kv(self.k, key, query.shape[2])
+        value = self._kv(self.v, value, query.shape[2])
+        if self.shares is not None and (key is not stored[0] or value is not stored[1]):
+            # HF stored the unedited pair before calling us; the sharing layers attend over the edited one (as
+            # they do on vLLM, whose shared KV cache is written after our edit).
+            self.shares[module.layer_type] = key, value
+        scores, probs = self.scores, self.probs
+        if run.wants(scores) or run.wants(probs):
+            out, weights = eager_pattern(
+                query, key, value, attention_mask, scaling=kwargs.get("scaling"), softcap=kwargs.get("softcap"),
+                touch_scores=lambda s, present: run.touch(scores, s, present),
+                touch_probs=lambda p: run.touch(probs, p), sinks=kwargs.get("s_aux"),
+            )
+        else:
+            out, weights = base(module, query, key, value, attention_mask, **kwargs)
+        z = run.touch(self.z, out)
+        if run.wants(self.result):  # each head's z through its own rows of W_O [n_heads, d_head, d_model]
+            w_o = self.w_o().reshape(*z.shape[2:], -1)
+            run.touch(self.result, torch.einsum("bphd,hdm->bphm", z.to(w_o.dtype), w_o))
+        return z, weights

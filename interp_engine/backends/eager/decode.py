@@ -10,7 +10,7 @@ from torch import Tensor
 
 from interp_engine.edits import Step
 from interp_engine.errors import SpecError, fix
-from interp_engine.backends.eager.sites import Run
+from interp_engine.backends.eager.run import Run
 from interp_engine.inputs import Prompts
 from interp_engine.progress import bar
 from interp_engine.validate import Plan

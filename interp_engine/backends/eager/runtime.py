@@ -17,7 +17,9 @@ from interp_engine.backends.eager import attention, linear_attention
 from interp_engine.backends.eager.capabilities import for_handle
 from interp_engine.edits import Step
 from interp_engine.backends.eager.weights import read_weights
-from interp_engine.backends.eager.sites import Layout, Run, installed
+from interp_engine.backends.eager.layout import Layout
+from interp_engine.backends.eager.run import Run
+from interp_engine.backends.eager.sites import installed
 from interp_engine.errors import LoadError, fix
 from interp_engine.inputs import Prompts
 from interp_engine.positions import at_positions

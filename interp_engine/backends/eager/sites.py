@@ -1,124 +1,24 @@
-"""One call's hooks: where each point is read and written on a HF model, installed and removed per call.
-
-A `Run` holds the call's ops per address, the addresses to record, optional zero deltas (for gradients) and
-what was recorded. `installed()` registers only the hooks the run needs and removes them in `finally`.
+"""One call's hooks: where each point is read and written on a HF model (`layout.py` says which modules),
+installed and removed per call. `installed()` registers only the hooks the call's `Run` (`run.py`) needs and
+removes them in `finally`.
 """
 
-import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from interp_engine.addresses import Address
-from interp_engine.arch import LINEAR_POINTS, Arch, Dims
+from interp_engine.arch import LINEAR_POINTS
 from interp_engine.arch.routing import dense_weights, route
-from interp_engine.backends.eager.attention import SITE_KW, eager_pattern
+from interp_engine.backends.eager.attention import SITE_KW, AttentionSite
+from interp_engine.backends.eager.layout import Block, Layout
 from interp_engine.backends.eager.linear_attention import LinearSite
-from interp_engine.edits import Step, apply, failure
-from interp_engine.errors import InterpEngineError
+from interp_engine.backends.eager.run import Run, at as _at
 from interp_engine.weights import Weights
 
 EMBED, FINAL = Address("embed"), Address("final")
-
-
-def _swap(t: Tensor) -> Tensor:
-    """HF attention holds q, k, v head-major; our points present them position-major (typing.Heads / KVHeads).
-    The same view both ways; a plain transpose, as einops would make it, without its per-call parsing."""
-    return t.transpose(1, 2)
-
-
-@functools.cache
-def _at(point: str, layer: int | None) -> Address:
-    # Hooks are installed per call for every layer; an Address validates itself when built, so build each once.
-    return Address(point, layer)
-
-
-class Run:
-    """Edits, reads and records of one call. Created inside the call and dropped with it."""
-
-    def __init__(self, ops: Mapping[Address, tuple], reads: frozenset[Address],
-                 deltas: Mapping[Address, Tensor] | None = None):
-        self.ops = ops
-        self.reads = reads
-        self.deltas = deltas or {}
-        self.records: dict[Address, list[Tensor]] = {}
-        self.stash: dict[int, Tensor] = {}
-        self.step: Step | None = None
-        self.wanted = frozenset(ops) | reads | frozenset(self.deltas)
-        # Layers with nothing to read, edit or differentiate get no hook at all.
-        self.layers = frozenset(a.layer for a in self.wanted if a.layer is not None)
-
-    def wants(self, address: Address) -> bool:
-        return address in self.wanted
-
-    def touch(self, address: Address, x: Tensor, present=None) -> Tensor:
-        """Apply this address's edits in spec order, add its delta, record it. Returns x itself if untouched."""
-        for op in self.ops.get(address, ()):
-            try:
-                x = apply(op, x, address.info, self.step)
-            except InterpEngineError:
-                raise
-            except Exception as e:  # a raw error from inside the forward would name torch, not the op
-                raise failure(op, e) from e
-        if address in self.deltas:
-            x = x + self.deltas[address]
-        if address in self.reads:
-            seen = present(x) if present is not None else x
-            self.records.setdefault(address, []).append(seen.detach())
-        return x
-
-
-class AttentionSite:
-    """Handed to our attention function through the attention module's kwargs, for one layer."""
-
-    def __init__(self, run: Run, layer: int, w_o: Callable[[], Tensor] | None = None):
-        self.run, self.layer, self.w_o = run, layer, w_o
-        # Gemma 4: the dict later KV-shared layers read this layer's keys and values from (None: none do).
-        self.shares: dict | None = None
-        self.q, self.k, self.v, self.z, self.scores, self.probs, self.result = (
-            _at(p, layer) for p in ("q", "k", "v", "z", "attn_scores", "attn_probs", "attn_result"))
-
-    def _kv(self, address: Address, t: Tensor, q_len: int) -> Tensor:
-        if not self.run.wants(address):
-            return t
-        current = _swap(t[:, :, -q_len:])
-        edited = self.run.touch(address, current)
-        if edited is current:
-            return t
-        edited = _swap(edited)
-        if self.run.step.kv_in_place:  # t is the KV cache's own tensor: later steps must see the edit
-            t[:, :, -q_len:] = edited
-            return t
-        return torch.cat([t[:, :, :-q_len], edited], dim=2) if t.shape[2] > q_len else edited
-
-    def attend(self, base, module, query, key, value, attention_mask, **kwargs):
-        run = self.run
-        if run.wants(self.q):
-            query = _swap(run.touch(self.q, _swap(query)))
-        stored = key, value
-        key = self._kv(self.k, key, query.shape[2])
-        value = self._kv(self.v, value, query.shape[2])
-        if self.shares is not None and (key is not stored[0] or value is not stored[1]):
-            # HF stored the unedited pair before calling us; the sharing layers attend over the edited one (as
-            # they do on vLLM, whose shared KV cache is written after our edit).
-            self.shares[module.layer_type] = key, value
-        scores, probs = self.scores, self.probs
-        if run.wants(scores) or run.wants(probs):
-            out, weights = eager_pattern(
-                query, key, value, attention_mask, scaling=kwargs.get("scaling"), softcap=kwargs.get("softcap"),
-                touch_scores=lambda s, present: run.touch(scores, s, present),
-                touch_probs=lambda p: run.touch(probs, p), sinks=kwargs.get("s_aux"),
-            )
-        else:
-            out, weights = base(module, query, key, value, attention_mask, **kwargs)
-        z = run.touch(self.z, out)
-        if run.wants(self.result):  # each head's z through its own rows of W_O [n_heads, d_head, d_model]
-            w_o = self.w_o().reshape(*z.shape[2:], -1)
-            run.touch(self.result, torch.einsum("bphd,hdm->bphm", z.to(w_o.dtype), w_o))
-        return z, weights
 
 
 def _first(value):
@@ -127,77 +27,6 @@ def _first(value):
 
 def _with_first(value, x):
     return (x, *value[1:]) if isinstance(value, tuple) else x
-
-
-@dataclass(frozen=True, slots=True)
-class Block:
-    """The modules of one decoder layer that hooks go on."""
-
-    layer: torch.nn.Module
-    # None where the arch does not serve those points (validation refuses them first).
-    attention: torch.nn.Module | None
-    attn_out: torch.nn.Module | None
-    mlp_down: torch.nn.Module | None  # None also: a sparse MLP (no mlp_act)
-    mlp_out: torch.nn.Module | None
-    mid_norm: torch.nn.Module | None  # None also: a parallel block, whose resid_mid is realised through attn_out
-    router: "Router | None" = None
-    mlp_pre: torch.nn.Module | None = None  # its output is mlp_pre (the first half of it: Arch.mlp_pre_half)
-    mlp_up: torch.nn.Module | None = None  # its output is mlp_pre_linear (the second half: Arch.mlp_pre_half)
-    mlp_pre_half: bool = False
-    kv_latent: torch.nn.Module | None = None  # its output is kv_latent (multi-head latent attention)
-    linear: torch.nn.Module | None = None  # a linear-attention layer's Gated DeltaNet (arch.linear_attention)
-    lin_rep: int = 1  # value heads per key head there
-    mlp_tail: bool = False  # Arch.mlp_tail: resid_mid is written through attn_out
-    kv_shares: str | None = None  # Arch.kv_shares: the attention kwarg holding the keys later layers reuse
-    o_proj: torch.nn.Module | None = None  # Arch.o_proj: W_O read from the layer itself (no TL-shaped weights)
-
-
-@dataclass(frozen=True, slots=True)
-class Router:
-    """A sparse MLP's gate, and how the experts choose from its logits (to choose again after an edit)."""
-
-    gate: torch.nn.Module
-    routing: tuple  # route()'s arguments after the logits
-    experts: torch.nn.Module  # forward(rows, top-k ids, top-k weights) -> the weighted sum
-
-
-@dataclass(frozen=True, slots=True)
-class Layout:
-    """Where an Arch's points sit in one loaded model. Looked up once at load: walking the dotted module paths
-    for every layer on every call cost more than installing the hooks themselves."""
-
-    blocks: tuple[Block, ...]
-    final_norm: torch.nn.Module
-    # The model's TransformerLens-shaped weights, read when first asked (attn_result needs W_O).
-    weights: "Callable[[], Weights] | None" = None
-
-    @classmethod
-    def of(cls, model: torch.nn.Module, arch: Arch, dims: Dims,
-           weights: "Callable[[], Weights] | None" = None) -> "Layout":
-        layers = model.get_submodule(arch.layers)
-
-        def at(layer, path):
-            return layer.get_submodule(path) if path is not None else None
-
-        moe, config = arch.moe, model.config
-
-        def block(i: int) -> Block:
-            layer, kinds = layers[i], dims.layer_kinds[i] if dims.layer_kinds else ()
-            # A dense layer of a mixture-of-experts model has no router; an MoE layer no dense MLP (Gemma 4's has).
-            sparse = moe is not None and "dense" not in kinds
-            dense = moe is None or "dense" in kinds or moe.dense_mlp
-            gate = layer.get_submodule(moe.router) if sparse else None
-            router = Router(gate, moe.routing(config, gate, layer), layer.get_submodule(moe.experts)) if sparse else None
-            mlp = (lambda p: at(layer, p)) if dense else (lambda p: None)
-            # A linear-attention layer has no softmax attention; its Gated DeltaNet's output is attn_out.
-            linear = at(layer, arch.linear_attention) if "linear_attention" in kinds else None
-            return Block(layer, None if linear else at(layer, arch.attention), linear or at(layer, arch.attn_out),
-                         mlp(arch.mlp_down), at(layer, arch.mlp_out), at(layer, arch.mid_norm), router,
-                         mlp(arch.mlp_pre), mlp(arch.mlp_up), arch.mlp_pre_half, at(layer, arch.kv_latent), linear,
-                         dims.n_lin_v_heads // (dims.n_lin_k_heads or 1), arch.mlp_tail, arch.kv_shares,
-                         at(layer, arch.o_proj))
-
-        return cls(tuple(block(i) for i in range(dims.n_layers)), model.get_submodule(arch.final_norm), weights)
 
 
 @contextmanager
