@@ -42,14 +42,16 @@ def fix(what: str, remedy: str) -> str:
     return f"{what}\n  Fix: {remedy}"
 
 
-def env_bytes(name: str, default: int) -> int:
-    """A positive whole number of bytes from environment variable `name` (unset or empty: `default`)."""
+def env_bytes(name: str, default: int, least: int = 1, why: str = "") -> int:
+    """A whole number of bytes, at least `least` (`why`: what less could not hold), from environment variable
+    `name` (unset or empty: `default`)."""
     import os
 
     raw = os.environ.get(name, "")
     if not raw:
         return default
-    if not raw.isdigit() or int(raw) == 0:
-        raise SpecError(fix(f"{name}={raw!r} is not a positive number of bytes.",
+    if not raw.isdigit() or int(raw) < least:
+        at_least = f"at least {least} ({why})" if why else "positive"
+        raise SpecError(fix(f"{name}={raw!r} is not a whole number of bytes, {at_least}.",
                             f"set it to whole bytes, e.g. {name}={default} (the default), or unset it."))
     return int(raw)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from interp_engine.arch import Arch, Dims, check_sizes, read_dims, table_for
-from interp_engine.arch.aliases import ALIASES
+from interp_engine.arch.aliases import ALIASES, WRAPPER_FIX, wrapper_problem
 from interp_engine.errors import InputTypeError, LoadError, fix
 from interp_engine.sizing_tables import LAYOUTS, SCHEMES, WRAPPERS, Scheme
 
@@ -75,6 +75,8 @@ def to_config(config: Any):
         raise LoadError(fix(f"config.json describes a {model_type!r} model, which the sizer does not cover.",
                             f"use a model of a covered family: {', '.join(covered)}."))
     if not isinstance(config, PretrainedConfig):
+        if problem := wrapper_problem(config):  # transformers would price its default text model
+            raise LoadError(fix(f"config.json: {problem}.", WRAPPER_FIX))
         check_sizes(config)
         if isinstance(config.get("text_config"), Mapping):
             check_sizes(config["text_config"])

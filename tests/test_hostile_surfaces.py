@@ -1,9 +1,13 @@
 """Hostile values on the newest surfaces, each refused with the library's error and a Fix: line before anything
 runs: SAEs declared in vllm-static's static_writes and the Clamps and Splices that use them, DeepSeek's vllm-cpu
-engine arguments that the backend merges its own into (`arch/vllm_cpu.py`), and a worker's failure file that
-arrives truncated or garbled (the server and offline calls read it with `wire.decode`)."""
+engine arguments that the backend merges its own into (`arch/vllm_cpu.py`), a worker's failure file that
+arrives truncated or garbled (the server and offline calls read it with `wire.decode`), MoE points declared at
+DeepSeek's dense layer, a latent write of the wrong width, and a Kimi-K2.5 wrapper without its text model's
+config."""
 
+import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -12,7 +16,7 @@ from interp_engine import SAE, load_model, steer
 from interp_engine import spec as S
 from interp_engine.arch.vllm_cpu import CPU_ENGINE_ARGS, check_cpu_engine_args, cpu_engine_args
 from interp_engine.backends.vllm import results, wire
-from interp_engine.errors import BackendError, InterpEngineError, PointError, SpecError
+from interp_engine.errors import BackendError, InterpEngineError, LoadError, PointError, SpecError
 from interp_engine.sizing import estimate
 from tests.conftest import PROMPTS, random_sae
 from tests.skips import requires
@@ -127,3 +131,68 @@ def test_a_truncated_or_garbled_failure_file_is_the_calls_backend_error_not_a_cr
     os.unlink(path)
     with pytest.raises(BackendError, match="could not be read"):  # gone between the check and the read
         wire.decode(path)
+
+
+@requires("vllm")
+def test_moe_points_declared_at_deepseeks_dense_layer_are_refused_at_once_before_the_engine_loads(tiny_path):
+    with pytest.raises(PointError) as err:
+        load_model(str(tiny_path("deepseek_v3")), backend="vllm-static",
+                   static_points=["expert_weights.0", "router_logits.0", "router_logits.1"],
+                   static_writes=["router_logits.0"])
+    text = str(err.value)
+    for point in ("expert_weights", "router_logits"):
+        assert f"{point}.0 cannot be declared" in text and f"which has no {point}; {point} is at layers 1-2" in text
+        assert f"Fix: use {point} at layers 1-2" in text, text
+    assert "router_logits.1 cannot" not in text
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("vllm", marks=requires("vllm")),
+                                     pytest.param("vllm-static", marks=requires("vllm"))])
+def test_a_latent_write_of_the_wrong_width_is_refused_before_any_forward(backend, eager, tiny_path):
+    reference = eager("deepseek_v3")
+    model = reference if backend == "eager" else load_model(
+        str(tiny_path("deepseek_v3")), backend=backend,
+        **({"static_points": ["kv_latent.1"], "static_writes": ["kv_latent.1"]} if backend == "vllm-static" else {}))
+    width, ran = reference.dims.d_latent, []
+    hook = reference.runtime.model.register_forward_pre_hook(lambda m, a: ran.append(1))
+    try:
+        for wrong in (width - 1, width + 1, model.d_model):
+            with pytest.raises(SpecError, match=rf"(?s)value has shape \({wrong},\), but kv_latent holds "
+                                                rf"\({width},\) per position.*Fix"):
+                steer(model, PROMPTS[:1], S.Set("kv_latent.1", torch.zeros(wrong)), progress=False)
+    finally:
+        hook.remove()
+    assert not ran and (backend == "eager" or not model.runtime.is_loaded), "refused before any forward or engine"
+
+
+def _kimi_folder(tiny_path, tmp_path, text_config) -> str:
+    """A Kimi-K2.5 wrapper's folder around the tiny DeepSeek's weights, its config.json's text_config as given
+    (absent for None)."""
+    folder = tmp_path / "kimi_k25"
+    shutil.copytree(tiny_path("deepseek_v3"), folder)
+    config = {"model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"],
+              "vision_config": {"model_type": "moonvit", "hidden_size": 8}}
+    if text_config is not None:
+        config["text_config"] = text_config
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+@pytest.mark.parametrize("text_config, says", [
+    (None, "has no text_config, the deepseek_v3 config of that text model"),
+    ("deepseek_v3", "has no text_config.*it is 'deepseek_v3'"),
+    ({"model_type": "llama", "hidden_size": 64}, "text_config describes a 'llama' model, but kimi_k25 wraps a "
+                                                 "deepseek_v3 text model"),
+    ({"hidden_size": 64}, "text_config describes a None model"),
+], ids=["missing", "a-string", "llama", "no-model-type"])
+def test_a_kimi_k25_folder_without_its_text_models_config_is_refused_not_read_as_the_default(
+        text_config, says, tiny_path, tmp_path):
+    """Left to transformers, a missing text_config is Kimi-K2's 1T-parameter default (the sizer priced it, load_model
+    refused it as too large for the machine), a llama one made the wrapper undiscoverable: each is refused naming
+    text_config, by the loader on every backend and by the sizer."""
+    folder = _kimi_folder(tiny_path, tmp_path, text_config)
+    for backend in ("eager", "vllm", "vllm-static", "auto"):
+        with pytest.raises(LoadError, match=rf"(?s){says}.*Fix: restore text_config"):
+            load_model(folder, backend=backend)
+    with pytest.raises(LoadError, match=rf"(?s){says}.*Fix: restore text_config"):
+        estimate(folder, backend="vllm")

@@ -103,10 +103,12 @@ def test_a_worker_maps_only_a_slot_named_as_the_driver_names_its_arenas():
         assert calls._slot({"slot": bad}) is None
 
 
-@pytest.mark.parametrize("raw", ["-1", "0", "abc", "64MiB", "9" * 400 + "x"])
+@pytest.mark.parametrize("raw", ["-1", "0", "abc", "64MiB", "9" * 400 + "x", "1", "4095",
+                                 str(arena_module.SMALLEST - 1)])
 def test_a_hostile_arena_size_is_refused_with_the_fix_when_the_engine_starts(raw, monkeypatch):
-    """INTERP_ENGINE_ARENA_BYTES is read as an engine's arena is made (not at import): anything but whole positive
-    bytes is refused naming the variable, and nothing is left in /dev/shm."""
+    """INTERP_ENGINE_ARENA_BYTES is read as an engine's arena is made (not at import): anything but whole bytes,
+    at least the smallest slot (below it, not one result would ever fit: every call would silently go to a file),
+    is refused naming the variable, and nothing is left in /dev/shm."""
     from interp_engine.errors import SpecError
 
     before = set(glob.glob(wire.result_path("arena-*")))
@@ -114,8 +116,11 @@ def test_a_hostile_arena_size_is_refused_with_the_fix_when_the_engine_starts(raw
     with pytest.raises(SpecError, match="INTERP_ENGINE_ARENA_BYTES") as caught:
         ResultArena()
     assert "Fix:" in str(caught.value) and set(glob.glob(wire.result_path("arena-*"))) == before
-    monkeypatch.setenv(arena_module.ARENA_ENV, str(8 * arena_module.SMALLEST))
-    assert ResultArena().size == 8 * arena_module.SMALLEST
+    assert f"at least {arena_module.SMALLEST} (the smallest result slot)" in str(caught.value)
+    monkeypatch.setenv(arena_module.ARENA_ENV, str(arena_module.SMALLEST))
+    arena = ResultArena()
+    assert arena.size == arena_module.SMALLEST and arena.take(0) is not None  # the least it takes holds a result
+    arena.close()
 
 
 @requires("vllm")

@@ -21,6 +21,8 @@ import json
 from pathlib import Path
 from dataclasses import dataclass
 
+from interp_engine.errors import LoadError, fix
+
 # model_type in config.json -> the transformers model type it is.
 ALIASES = {"kimi_k2": "deepseek_v3"}
 
@@ -64,14 +66,35 @@ def aliased_config(folder: str | Path):
     kind = raw.get("model_type")
     if kind in ALIASES:
         return AutoConfig.for_model(ALIASES[kind], **{k: v for k, v in raw.items() if k not in _DROPPED})
-    if kind in WRAPPERS and isinstance(raw.get("text_config"), dict):
+    if kind in WRAPPERS:
+        if problem := wrapper_problem(raw):
+            raise LoadError(fix(f"config.json of {str(folder)!r}: {problem}.", WRAPPER_FIX))
         text = raw["text_config"]
-        if text.get("model_type") != WRAPPERS[kind].text_type:
-            return None
         inner = WRAPPERS[kind].text_type
         # config.json states these on the wrapper (Kimi-K2.5's dtype and int4 scheme): the text model's too.
         stated = {k: raw[k] for k in _STATED if k in raw and k not in text}
         return AutoConfig.for_model(inner, **{k: v for k, v in {**text, **stated}.items() if k not in _DROPPED})
+    return None
+
+
+WRAPPER_FIX = ("restore text_config from the checkpoint's published config.json, or load a folder that holds the "
+               "text model alone.")
+
+
+def wrapper_problem(raw: dict) -> str | None:
+    """Why a wrapper's config.json (parsed) cannot be served as its text model, or None (or not a wrapper's).
+    Left to transformers, a missing text_config is its default text model: Kimi-K2.5's is Kimi-K2's 1T-parameter
+    shape, which has nothing to do with the checkpoint's weights."""
+    kind = raw.get("model_type")
+    if kind not in WRAPPERS:
+        return None
+    text, inner = raw.get("text_config"), WRAPPERS[kind].text_type
+    if not isinstance(text, dict):
+        return (f"this {kind} checkpoint (a multimodal wrapper served as its text model) has no text_config, the "
+                f"{inner} config of that text model" + ("" if text is None else f" (it is {repr(text)[:80]})"))
+    if text.get("model_type") != inner:
+        return (f"this {kind} checkpoint's text_config describes a {text.get('model_type')!r} model, but {kind} "
+                f"wraps a {inner} text model")
     return None
 
 

@@ -34,6 +34,11 @@ SMALLEST = 64 << 10  # a slot for a kind of call not seen yet: most one-point ca
 HEADROOM = 1.25  # over the last result of the kind: prompts' lengths vary, headers too
 
 
+def arena_bytes() -> int:
+    """The arena's size from the environment: one smaller than the smallest slot would never hold a result."""
+    return env_bytes(ARENA_ENV, ARENA_BYTES, least=SMALLEST, why="the smallest result slot")
+
+
 @dataclass(frozen=True)
 class Slot:
     offset: int
@@ -44,7 +49,7 @@ class ResultArena:
     """One engine's arena: its file (made at the first `take`), free slots, and slots handed to callers."""
 
     def __init__(self):
-        self.size = env_bytes(ARENA_ENV, ARENA_BYTES)  # read at engine start: a bad value refused, with the fix
+        self.size = arena_bytes()  # read at engine start: a bad value refused, with the fix
         self.path = ""
         self._map: mmap.mmap | None = None
         self._whole: Tensor | None = None

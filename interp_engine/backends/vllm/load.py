@@ -14,7 +14,7 @@ from interp_engine.arch.layers import lacking
 from interp_engine.arch.vllm_cpu import check_cpu_engine_args
 from interp_engine.backends.vllm import arena
 from interp_engine.backends.vllm.capabilities import for_handle
-from interp_engine.errors import BackendError, PointError, SpecError, env_bytes, fix
+from interp_engine.errors import BackendError, PointError, SpecError, fix
 from interp_engine.handle import ModelHandle
 from interp_engine.load_guards import load_tokenizer
 from interp_engine.sae_taps import declared_points, declared_saes
@@ -65,7 +65,7 @@ def load(repo_id: str, source: str, config, selection: BackendSelection, hardwar
         raise BackendError(fix(f"{vllm_support(config, source)}.", 'use backend="eager" for this model.'))
     if not hardware.cuda:
         check_cpu_engine_args(arch.family, extra)
-    env_bytes(arena.ARENA_ENV, arena.ARENA_BYTES)  # a bad INTERP_ENGINE_ARENA_BYTES: refused before the engine starts
+    arena.arena_bytes()  # a bad INTERP_ENGINE_ARENA_BYTES: refused before the engine starts
     if arch.discovered and capabilities.declares_taps:
         raise BackendError(fix(
             f"{str(repo_id)!r} is a {config.model_type!r} model, whose residual stream interp_engine finds from its "
