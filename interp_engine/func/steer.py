@@ -20,11 +20,7 @@ def steer(model: ModelHandle, tokens: PromptsLike, spec: Spec | Op | Sequence[Op
     """Logits of the forward pass with the spec's edits (none: `spec=None`, what `forward` does). Ragged prompts:
     padded positions are zeros. `positions` keeps only those positions, as logit_lens's: an index or a list of
     them in each prompt's own sequence (negative from its end), or "last"."""
-    prompts, plan = prepare(model, tokens, spec, (), purpose="forward", verb="steer", batch_size=batch_size)
-    index = None if positions is None else position_index(positions, prompts.lengths, "steer")
-    logits, _ = model.runtime.forward(prompts, plan, batch_size=batch_size, want_logits=True, progress=progress,
-                                      logits_at=index)
-    return logits
+    return _logits(model, tokens, spec, positions, batch_size, progress, verb="steer")
 
 
 @checked_arguments
@@ -34,8 +30,12 @@ def forward(model: ModelHandle, tokens: PromptsLike, *, positions: int | Sequenc
             batch_size: int = 32, progress: bool = True) -> Logits:
     """Plain logits, no edits: `steer(model, tokens, None)`. Ragged prompts: padded positions are zeros.
     `positions` as steer's."""
-    prompts, plan = prepare(model, tokens, None, (), purpose="forward", verb="steer", batch_size=batch_size)
-    index = None if positions is None else position_index(positions, prompts.lengths, "forward")
+    return _logits(model, tokens, None, positions, batch_size, progress, verb="forward")
+
+
+def _logits(model, tokens, spec, positions, batch_size: int, progress: bool, *, verb: str):
+    prompts, plan = prepare(model, tokens, spec, (), purpose="forward", verb="steer", batch_size=batch_size)
+    index = None if positions is None else position_index(positions, prompts.lengths, verb)
     logits, _ = model.runtime.forward(prompts, plan, batch_size=batch_size, want_logits=True, progress=progress,
                                       logits_at=index)
     return logits
