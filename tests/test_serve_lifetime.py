@@ -3,6 +3,7 @@ request, SIGTERM and Ctrl-C leave no child process, and a stopped engine fails r
 session's one server (`conftest.server`, `tests/servers.py`), stopped here by SIGTERM (this module runs after the
 others that use it), then a second one of its own."""
 
+import concurrent.futures
 import http.client
 import os
 import signal
@@ -80,6 +81,51 @@ def test_a_client_that_hangs_up_before_its_response_leaves_nothing_behind(server
     assert generated_tokens(server) - generated < asked, "vLLM saw no hang-up: the test checked nothing"
     steered, _ = complete(api, server, PROMPTS, spec)
     assert steered == offline(eager, spec)
+
+
+def _stream(server, spec, prompts, tokens: int) -> http.client.HTTPConnection:
+    """A steered stream on a raw connection, its first token come."""
+    connection = post(server, {"model": server[2], "prompt": prompts, "max_tokens": tokens, "temperature": 0.0,
+                               "ignore_eos": True, "stream": True, **client.extra_body(spec)})
+    response = connection.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data: ")
+    connection.response = response
+    return connection
+
+
+def _streamed(api, server, spec) -> list[list[int]]:
+    """A steered stream of both prompts through the openai client: each prompt's new tokens."""
+    tokens = [[] for _ in PROMPTS]
+    for chunk in api.completions.create(model=server[2], prompt=PROMPTS, max_tokens=6, temperature=0.0, stream=True,
+                                        extra_body={**client.extra_body(spec), "return_token_ids": True}):
+        for choice in chunk.choices:
+            tokens[choice.index] += choice.token_ids or []
+    return tokens
+
+
+def test_steering_tables_leave_the_workers_with_their_last_request(server, api, eager):
+    """Steering jobs are answered without a round trip, and the workers drop each one's table once the scheduler
+    reports the last request carrying it finished (no RPC does). After 12 jobs at once, each of 2 prompts, whole,
+    streamed, and one hung up mid-stream, the workers hold no table, and the answers equal offline generate."""
+    specs = [S.Add("resid_post.1", vector(20 + i)) for i in range(12)]
+    streams = _stream(server, specs[0], PROMPTS, 100), _stream(server, specs[1], PROMPTS, 100)
+    deadline = time.monotonic() + 30
+    while worker_status(server)[0]["calls"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert worker_status(server)[0]["calls"] >= 1, "no table while streams ran: the test checked nothing"
+    streams[0].sock.shutdown(socket.SHUT_RDWR)  # aborted mid-stream
+    streams[0].close()
+    with concurrent.futures.ThreadPoolExecutor(10) as pool:
+        whole = pool.map(lambda s: complete(api, server, PROMPTS, s)[0], specs[2:8])
+        streamed = pool.map(lambda s: _streamed(api, server, s), specs[8:])
+        assert list(whole) == [offline(eager, s) for s in specs[2:8]]
+        assert list(streamed) == [offline(eager, s) for s in specs[8:]]
+    assert streams[1].response.read().endswith(b"data: [DONE]\n\n")
+    streams[1].close()
+    deadline = time.monotonic() + 30  # the last drop comes with the scheduler's step after the last answer
+    while worker_status(server) != [{"calls": 0, "hooks": 0}] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert worker_status(server) == [{"calls": 0, "hooks": 0}]
 
 
 def test_nothing_outlives_a_request_and_sigterm_leaves_no_child_process(server):
