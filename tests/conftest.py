@@ -91,6 +91,27 @@ def served_llama(tiny_path):
 
 
 @pytest.fixture(scope="session")
+def server(tiny_path, tmp_path_factory):
+    """(process, base url, model path): the one `interp-engine serve` of the session on the tiny Llama
+    (`tests/servers.py`), shared by tests/test_serve.py, test_serve_bad_requests.py and test_serve_lifetime.py,
+    whose SIGTERM test stops it (pytest runs those modules in that order); stopped here if that test did not run."""
+    from interp_engine.backends.vllm import sae_refs
+    from tests.servers import SAE_BOUND, served
+
+    yield from served(str(tiny_path("llama")), tmp_path_factory, env={sae_refs.BOUND_ENV: str(SAE_BOUND)})
+
+
+@pytest.fixture(scope="session")
+def api(server):
+    """The official openai client of the session's server."""
+    import openai
+
+    from tests.servers import KEY
+
+    return openai.OpenAI(base_url=server[1], api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
 def hf_reference(tiny_path):
     """hf_reference(family) -> a plain HF model (eager attention) that interp_engine never touched."""
     refs: dict = {}

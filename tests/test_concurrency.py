@@ -93,3 +93,21 @@ def test_16_calls_with_16_clamps_each_equal_their_solo_run(served, eager):
         solo = steer(reference, prompts[i], spec(i), progress=False)
         assert torch.allclose(together[i], solo, rtol=1e-4, atol=1e-4), f"call {i}"
     assert served.runtime.worker_status() == [{"calls": 0, "hooks": 0}]
+
+
+def test_16_concurrent_generations_each_equal_their_solo_run_and_leave_no_table(served):
+    """Offline generations keep their tables until collected (the table rides only in a call's first request):
+    the workers' own drop at a request's end is for the server's steering jobs only. 16 steered generations of
+    all 3 prompts at once, from threads, each equal to its run alone; no table left afterwards."""
+    specs = [S.Add(f"resid_post.{i % 3}", torch.randn(served.d_model, generator=torch.Generator().manual_seed(100 + i))
+                   * 4) for i in range(16)]
+
+    def run(spec):
+        return generate(served, PROMPTS, spec, max_new_tokens=5, stop_at_eos=False, progress=False).tokens
+
+    solo = [run(spec) for spec in specs]
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        together = list(pool.map(run, specs))
+    assert together == solo
+    assert len({tuple(map(tuple, t)) for t in solo}) > 4, "the vectors must change the tokens"
+    assert served.runtime.worker_status() == [{"calls": 0, "hooks": 0}]

@@ -2,7 +2,8 @@
 
 A steering call (`wire.table(..., failures=True)`, the server's jobs that capture nothing) is never collected: a
 failure, as it happens, is written by rank 0 to the call's file on the driver's host, before the step's outputs
-leave the worker, so the driver answers the moment its last request ends and releases the table afterwards.
+leave the worker, so the driver answers the moment its last request ends; the workers drop the table themselves
+once the scheduler says the last request carrying it has finished (`InterpExtension._ie_finished`).
 """
 
 import os

@@ -234,6 +234,25 @@ def wrap_model_forward(runner, around: Callable) -> None:
     runner._model_forward = model_forward
 
 
+def wrap_execute_model(runner, finished: Callable[[set], None]) -> None:
+    """Make the runner call `finished(ids)` at the start of each step whose scheduler output names requests that
+    have finished (aborted ones included) since the last, before the runner forgets them (their extra_args are
+    still readable). The scheduler runs a step for that alone, without a forward, once the last ones finish."""
+    execute = runner.execute_model
+
+    def execute_model(scheduler_output, *args, **kwargs):
+        if scheduler_output.finished_req_ids:
+            finished(scheduler_output.finished_req_ids)
+        return execute(scheduler_output, *args, **kwargs)
+
+    runner.execute_model = execute_model
+
+
+def request_ids(runner) -> list[str]:
+    """Every request the runner holds, scheduled in this step or not (a request waiting its turn included)."""
+    return list(runner.requests)
+
+
 def joined_additional_config(args, ours: dict) -> dict:
     """The server's parsed `--additional-config` with ours (vllm-static's taps) over it."""
     return {**(args.additional_config or {}), **ours}

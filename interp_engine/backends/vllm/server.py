@@ -56,7 +56,8 @@ async def run(handle, args, service: serving.Service) -> None:
         shm.sweep_orphans()
         watching = asyncio.get_running_loop().create_task(server_watch.watch(client, procs))
         hosts = await client.collective_rpc(serving.wire.ATTACH)  # once per engine, as offline
-        serving.wrap_generate(client, local=serving.wire.same_host(hosts[0]))
+        service.local = serving.wire.same_host(hosts[0])
+        serving.wrap_generate(client)
         app = build_app(args, await client.get_supported_tasks(), compat.client_model_config(client))
         # Innermost: vLLM's own middleware (the API-key check first) sees a request before we parse its body.
         app.user_middleware.append(Middleware(Interp, service=service, n_layers=handle.n_layers))

@@ -9,8 +9,9 @@ with HTTP 400 and the Python API's message; a good one becomes a `Job`. vLLM's s
 client's `generate` once per prompt; our wrapper of it tags each engine request exactly as the offline path does
 (`wire.tag`, the table in every request of the job, so the order vLLM schedules them in does not matter), salts
 its prefix cache and skips reading it, and after the job's last request finishes collects the workers' records
-(`wire.COLLECT`). A non-streaming response gets an `interp` field with the captures (`encode_captures`), a
-stream a last chunk holding that field (before `data: [DONE]`). An SAE in a spec reaches the workers once,
+(`wire.COLLECT`); a job that only steers has nothing to collect, and its table leaves the workers with its last
+request (`InterpExtension._ie_finished`). A non-streaming response gets an `interp` field with the captures
+(`encode_captures`), a stream a last chunk holding that field (before `data: [DONE]`). An SAE in a spec reaches the workers once,
 before the first request that names it (`ie_put_saes`), and tables name it by digest (`sae_refs.py`), as offline.
 Nothing in a request is executed or unpickled: specs are JSON, tensors base64 bytes with dtype and shape.
 """
@@ -86,6 +87,9 @@ class Service:
 
     def __init__(self, handle, *, default: dict | None = None, limits: Limits = Limits()):
         self.handle, self.limits = handle, limits
+        # The engine's rank 0 shares this host (`InterpExtension.ie_attach`'s answer, set once the engine is up):
+        # a steering job's failure then comes back as a file as it happens, and the job is never collected.
+        self.local = True
         sae_refs.bound()  # a bad INTERP_ENGINE_SAE_BYTES: refused before the server starts
         self.default = None if default is None else self.interp({"spec": default}, n_prompts=1)
 
@@ -142,7 +146,7 @@ class Service:
         sae_refs.fits(saes, sae_refs.bound())
         call = uuid.uuid4().hex
         table = wire.table(call, compiled, spec.fingerprint(), asked.reads, lens=asked.lens,
-                           failures=not asked.plan.reads)
+                           failures=self.local and not asked.plan.reads)
         return Job(call, table, asked, saes=saes)
 
 
@@ -184,15 +188,11 @@ class Holding:
     held: sae_refs.Held = dataclasses.field(default_factory=sae_refs.Held)
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
     in_flight: set[str] = dataclasses.field(default_factory=set)
-    local: bool = True  # rank 0 runs on this host: a steering job's failure comes back as a file (`_answered`)
-    releasing: list[str] = dataclasses.field(default_factory=list)  # answered steering jobs, tables to remove
-    releaser: "asyncio.Future | None" = None
 
 
-def wrap_generate(engine, *, local: bool = True) -> None:
-    """Make `engine.generate` (vLLM's AsyncLLM, called by its serving code once per prompt) run the request's job.
-    `local`: the engine's rank 0 shares this host (`InterpExtension.ie_attach`'s answer)."""
-    plain, holding = engine.generate, Holding(local=local)
+def wrap_generate(engine) -> None:
+    """Make `engine.generate` (vLLM's AsyncLLM, called by its serving code once per prompt) run the request's job."""
+    plain, holding = engine.generate, Holding()
 
     def generate(prompt, sampling_params, request_id, *args, **kwargs):
         job = JOB.get()
@@ -234,8 +234,8 @@ async def _tabled(engine, plain, holding: Holding, job: Job, index: int, prompt,
         # vLLM's serving code calls generate for every prompt before it reads any: the last to end collects,
         # shielded: a client that hangs up cancels its request's task, and the table must leave the workers.
         # A job that only steers has nothing to collect: it is answered at once (`_answered`).
-        if job.finished == job.started and holding.local and not job.asked.plan.reads:
-            _answered(engine, holding, job)
+        if job.finished == job.started and job.table["failures"]:
+            _answered(holding, job)
         elif job.finished == job.started:
             await asyncio.shield(_collect(engine, holding, job))
 
@@ -271,11 +271,11 @@ async def _collect(engine, holding: Holding, job: Job) -> None:
             os.unlink(path)
 
 
-def _answered(engine, holding: Holding, job: Job) -> None:
+def _answered(holding: Holding, job: Job) -> None:
     """A steering job's end, without a round trip to the engine, which would wait for the step in progress to
     end (a step of latency per request, and a slot of the batch left empty, under load). A worker that failed
     the call wrote why where we look, as its ops ran, before the step's outputs left it (`calls.py`); its table
-    leaves the workers afterwards, with those of the jobs that end meanwhile, in one RPC."""
+    leaves the workers with the job's last request, at the scheduler's next step (`InterpExtension._ie_finished`)."""
     path = wire.result_path(job.call)
     holding.in_flight.discard(job.call)  # its requests have ended: its SAEs are not needed any more
     try:
@@ -286,18 +286,6 @@ def _answered(engine, holding: Holding, job: Job) -> None:
     finally:
         if os.path.exists(path):
             os.unlink(path)
-    holding.releasing.append(job.call)
-    if holding.releaser is None or holding.releaser.done():
-        holding.releaser = asyncio.ensure_future(_release(engine, holding))
-
-
-async def _release(engine, holding: Holding) -> None:
-    while holding.releasing:
-        calls, holding.releasing = holding.releasing, []
-        try:
-            await engine.collective_rpc(wire.RELEASE, args=tuple(calls))
-        except Exception:  # a dead engine holds no tables (the health endpoint says it is dead)
-            holding.releasing.clear()
 
 
 def encode_captures(job: Job, n_layers: int, limit: int) -> dict[str, Any]:

@@ -257,8 +257,7 @@ class StaticExtension(InterpExtension):
         taps = Taps.from_config(config)
         runner = self.model_runner
         self._ie_static = StaticTaps(runner, taps, self._ie_calls())
-        compat.wrap_model_forward(runner, self._ie_forward)
-        self._ie_attached = True
+        self._ie_wrap()
 
     def _ie_run(self, forward, *args, **kwargs):
         return self._ie_static.forward(forward, *args, **kwargs)
@@ -276,7 +275,7 @@ class StaticExtension(InterpExtension):
                 raise ValueError(str(problem))
 
     def ie_status(self) -> dict:
-        return {"calls": len(self._ie_calls()), "hooks": 0, "taps": len(self._ie_static.handles)}
+        return {**super().ie_status(), "hooks": 0, "taps": len(self._ie_static.handles)}
 
     def _ie_rehook(self) -> None:
         """Taps are permanent (compiled in); nothing to add or remove per call."""

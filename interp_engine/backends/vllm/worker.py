@@ -37,8 +37,7 @@ class InterpExtension(WeightsExtension):
         host: where rank 0 shares the server's, a steering job's failure comes back as a file (`calls.py`)."""
         if not getattr(self, "_ie_attached", False):
             layout_of(self.model_runner)  # a model with no layout to find is refused here, before any forward
-            compat.wrap_model_forward(self.model_runner, self._ie_forward)
-            self._ie_attached = True
+            self._ie_wrap()
         return wire.host()
 
     def ie_put_saes(self, saes: dict, evict: list | tuple = ()) -> bool:
@@ -70,10 +69,40 @@ class InterpExtension(WeightsExtension):
         return True
 
     def ie_status(self) -> dict:
-        """For leak checks: installed calls and hooks in this worker."""
-        return {"calls": len(self._ie_calls()), "hooks": len(getattr(self, "_ie_handles", []))}
+        """For leak checks: the tables this worker holds (installed calls, and refused ones whose failure is still
+        to be collected) and its hooks."""
+        return {"calls": len(self._ie_calls()) + len(self._ie_refused()),
+                "hooks": len(getattr(self, "_ie_handles", []))}
 
     # ------------------------------------------------------------------------------------------- internals
+    def _ie_wrap(self) -> None:
+        compat.wrap_model_forward(self.model_runner, self._ie_forward)
+        compat.wrap_execute_model(self.model_runner, self._ie_finished)
+        self._ie_attached = True
+
+    def _ie_finished(self, finished: set) -> None:
+        """A steering call (`wire.table(failures=True)`: never collected, its table in each of its requests)
+        leaves once no request carrying it remains: the scheduler's own step tells every rank which requests
+        finished, so no RPC has to wait on the engine loop for it. A request of the call still to come adopts
+        the table again."""
+        runner, ending = self.model_runner, set()
+        for request in finished:
+            tag = wire.read_tag(compat.request_extra_args(runner, request))
+            table = None if tag is None else tag.get("table")
+            if isinstance(table, dict) and table.get("failures") is True and isinstance(tag.get("call"), str):
+                ending.add(tag["call"])
+        if not ending:
+            return
+        for request in compat.request_ids(runner):
+            if request not in finished and (tag := wire.read_tag(compat.request_extra_args(runner, request))) and \
+                    isinstance(tag.get("call"), str):
+                ending.discard(tag["call"])
+        calls = self._ie_calls()
+        for call_id in ending:
+            self._ie_refused().pop(call_id, None)
+        if [calls.pop(c) for c in ending if c in calls]:
+            self._ie_rehook()
+
     def _ie_calls(self) -> dict[str, WorkerCall]:
         if not hasattr(self, "_ie_table"):
             self._ie_table = {}
