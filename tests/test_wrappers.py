@@ -10,6 +10,7 @@ test_vllm_families.py and test_gemma4_vllm.py."""
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -153,3 +154,28 @@ def test_the_text_table_holds_in_vllms_wrapper_tree_where_the_vllm_backends_reso
         for path in filter(None, paths):
             assert f"{root}{table.layers}.{layer}.{path}" in tree, (layer, path)
         assert tree[f"{root}{table.layers}.{layer}.{table.attention}"] == "Attention"
+
+
+GEMMA3_4B = Path(__file__).parent / "configs" / "gemma-3-4b-pt-like"  # google/gemma-3-4b-pt's config.json shape
+
+
+def test_a_gemma3_4b_like_wrapper_config_reads_as_its_text_model_and_is_priced_as_hf_builds_it():
+    """The wrapper's config.json (a minimal text_config, the rest transformers' defaults; bfloat16 stated on the
+    wrapper): read as gemma3_text with the wrapper's dtype; the sizer's parameter count equals HF's text model built
+    from it on the meta device (the vision tower is not priced: it is never loaded), and the CPU refusal names vLLM's
+    wrapper module before anything loads."""
+    from transformers import AutoModelForCausalLM
+
+    from interp_engine.selection import Hardware, choose_backend, read_config
+    from interp_engine.sizing import count_params, estimate
+
+    source, config = read_config(str(GEMMA3_4B))
+    assert (config.model_type, config.num_hidden_layers, config.hidden_size) == ("gemma3_text", 34, 2560)
+    assert str(config.dtype).removeprefix("torch.") == "bfloat16"
+    with torch.device("meta"):
+        real = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    assert count_params(json.loads((GEMMA3_4B / "config.json").read_text())).total == real
+    assert estimate(str(GEMMA3_4B), gpu="H100-80GB").fits
+    with pytest.raises(Exception, match=r"(?s)gemma3_mm.*torchvision"):
+        choose_backend(config, source, force_backend="vllm", vllm_available=True,
+                       hardware=Hardware(cuda=False, cpu_bf16=True))
