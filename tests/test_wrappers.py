@@ -146,16 +146,19 @@ def test_the_text_table_holds_in_vllms_wrapper_tree_where_the_vllm_backends_reso
 
     folder, _ = wrapped(wrapper, text, "saved")
     table = _registry()[text if text != "gemma4_moe" else "gemma4_text"].vllm
-    tree, _ = module_tree(folder, module, cls, prelude=SHIM)
+    tree, targets = module_tree(folder, module, cls, prelude=SHIM)
     root = aliases.WRAPPERS[wrapper].vllm_text_model + "."
     assert tree[root + table.layers] == "ModuleList" and root + table.final_norm in tree
     assert "model.layers" not in tree
     paths = [table.attention, table.o_proj, table.attn_out, table.mlp_out, table.mid_norm, table.mlp_down,
-             table.mlp_in, table.router]
+             table.mlp_in, table.router if text == "gemma4_moe" else None]
     for layer in range(3):
         for path in filter(None, paths):
             assert f"{root}{table.layers}.{layer}.{path}" in tree, (layer, path)
         assert tree[f"{root}{table.layers}.{layer}.{table.attention}"] == "Attention"
+    at = lambda layer: f"{root}{table.layers}.{layer}.{table.attention}"  # noqa: E731
+    # E2B's KV-shared layers (tiny: 2 and 3) read layers 0 and 1's caches, as `layers.kv_sources` says
+    assert targets == ({at(2): at(0), at(3): at(1)} if text == "gemma4_text" else {}), targets
 
 
 GEMMA3_4B = Path(__file__).parent / "configs" / "gemma-3-4b-pt-like"  # google/gemma-3-4b-pt's config.json shape
