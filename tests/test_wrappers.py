@@ -171,11 +171,13 @@ def test_a_gemma3_4b_like_wrapper_config_reads_as_its_text_model_and_is_priced_a
     wrapper module before anything loads."""
     from transformers import AutoModelForCausalLM
 
+    from interp_engine.arch.aliases import architectures
     from interp_engine.selection import Hardware, choose_backend, read_config
     from interp_engine.sizing import count_params, estimate
 
     source, config = read_config(str(GEMMA3_4B))
     assert (config.model_type, config.num_hidden_layers, config.hidden_size) == ("gemma3_text", 34, 2560)
+    assert architectures(source, config) == ["Gemma3ForConditionalGeneration"]  # what vLLM's registry is asked
     assert str(config.dtype).removeprefix("torch.") == "bfloat16"
     with torch.device("meta"):
         real = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
@@ -187,6 +189,7 @@ def test_a_gemma3_4b_like_wrapper_config_reads_as_its_text_model_and_is_priced_a
 
 
 @requires("vllm")
+@requires("slow")  # vLLM's registry inspects the class in a child process: about 18 s here
 def test_auto_on_cuda_asks_vllms_registry_about_the_wrappers_own_architecture(tmp_path):
     """The text config a wrapper is read as names no architectures: `backend="auto"` on a CUDA machine asks vLLM's
     registry about the wrapper's (KimiK25ForConditionalGeneration, which vLLM here can inspect) and picks vllm,
