@@ -71,7 +71,8 @@ def build(model_type: str, out: Path) -> list[int]:
         model = AutoModelForCausalLM.from_pretrained(str(out), **hf_kwargs(out, aliased_config(out))).eval()
         ids = AutoTokenizer.from_pretrained(str(out))(PROMPT, return_tensors="pt").input_ids
         with torch.no_grad():
-            return model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None)[0, ids.shape[1]:].tolist()
+            full = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None)
+        return full[0, ids.shape[1]:].tolist()
     tok = build_tokenizer(out)
     config = AutoConfig.for_model(model_type, **TINY[model_type], vocab_size=len(tok), initializer_range=0.1,
                                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,

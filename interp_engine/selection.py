@@ -230,8 +230,8 @@ def choose_backend(config, source: str, *, requested_device: str | None = None, 
     if why is None:
         dtype, why_dtype = resolve_dtype(requested_dtype, checkpoint_dtype(config), "cuda", hardware)
         return BackendSelection("vllm", True, "cuda", dtype,
-                                f"vllm on cuda: vLLM's registry serves {architectures(source, config)[0]} and interp_engine "
-                                f"has its vLLM layout; {why_dtype}")
+                                f"vllm on cuda: vLLM's registry serves {architectures(source, config)[0]} and "
+                                f"interp_engine has its vLLM layout; {why_dtype}")
     return BackendSelection("eager", False, device, dtype, f"eager on {device} because {why}; {why_dtype}")
 
 

@@ -202,3 +202,21 @@ def test_auto_on_cuda_asks_vllms_registry_about_the_wrappers_own_architecture(tm
     chosen = choose_backend(config, source, vllm_available=True,
                             hardware=Hardware(cuda=True, cpu_bf16=True, cuda_bf16=True))
     assert chosen.backend == "vllm" and "KimiK25ForConditionalGeneration" in chosen.reason, chosen.reason
+
+
+def test_a_wrapper_whose_text_weights_are_under_unknown_names_is_refused_not_left_random(wrapped, tmp_path):
+    """transformers only warns when weights are missing (they stay randomly initialised): a wrapper's text weights
+    under names the mapping does not read are refused at load, naming the missing keys."""
+    from safetensors.torch import load_file, save_file
+
+    from interp_engine.errors import LoadError
+
+    folder = tmp_path / "renamed"
+    shutil.copytree(wrapped("gemma3", "gemma3_text", "saved")[0], folder)
+    weights = load_file(folder / "model.safetensors")
+    save_file({k.replace("language_model.model.", "text_model.model."): v for k, v in weights.items()},
+              folder / "model.safetensors", metadata={"format": "pt"})
+    model = load_model(str(folder), backend="eager", device="cpu")
+    with pytest.raises(LoadError, match=r"(?s)text weights were not found: \d+ missing \(.*model\.layers\.0.*"
+                                        r"Fix: "):
+        model.runtime.load()
