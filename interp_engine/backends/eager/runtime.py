@@ -60,13 +60,26 @@ class EagerRuntime(TokenizerRuntime):
                                           "local_files_only": True, **self.hf_kwargs}
                 if self.num_gpus > 1:
                     kwargs.setdefault("device_map", "auto")
+                # A wrapper's text weights are read through a name mapping (arch/aliases.py): a layout it does not
+                # know would leave them randomly initialised, which transformers only warns about.
+                mapped = "key_mapping" in self.hf_kwargs
                 try:
-                    model = AutoModelForCausalLM.from_pretrained(str(self.source), **kwargs)
+                    model = AutoModelForCausalLM.from_pretrained(str(self.source), output_loading_info=mapped,
+                                                                 **kwargs)
                 except OSError as e:
                     raise LoadError(fix(f"the weights of {str(self.source)!r} cannot be loaded: {e}",
                                         "check the folder holds the *.safetensors (or *.bin) files that "
                                         "save_pretrained() wrote, or that the repo is fully in the HF cache.")
                                     ) from None
+                if mapped:
+                    model, info = model
+                    if missing := sorted(info["missing_keys"]):
+                        raise LoadError(fix(
+                            f"{str(self.source)!r} is a multimodal wrapper whose text weights were not found: "
+                            f"{len(missing)} missing ({', '.join(missing[:3])}, ...) under the names read "
+                            f"({', '.join(self.hf_kwargs['key_mapping'])}).",
+                            "use the checkpoint as published (its text weights under language_model. or "
+                            "model.language_model.), or save the text model on its own and load that."))
                 if "device_map" not in kwargs:
                     model.to(self.device)
                 model.eval()

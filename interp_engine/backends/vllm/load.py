@@ -10,6 +10,7 @@ import torch
 from interp_engine import quantization as Q
 from interp_engine import vllm_args
 from interp_engine.arch import aliases, arch_for, read_cfg, read_dims
+from interp_engine.arch.gemma4 import moe_switch_problem
 from interp_engine.arch.layers import lacking
 from interp_engine.arch.vllm_cpu import check_cpu_engine_args
 from interp_engine.backends.vllm import arena
@@ -63,6 +64,12 @@ def load(repo_id: str, source: str, config, selection: BackendSelection, hardwar
     arch = arch_for(config, name=str(repo_id))
     if arch.vllm is None and not arch.discovered:
         raise BackendError(fix(f"{vllm_support(config, source)}.", 'use backend="eager" for this model.'))
+    if problem := moe_switch_problem(config):
+        raise SpecError(fix(f"{str(repo_id)!r}: {problem}, so eager and {backend} would run different models.",
+                            "in config.json (the text_config of a wrapper) set enable_moe_block to true and "
+                            "num_experts to the number of experts where the checkpoint has expert weights (the "
+                            "26B-A4B layout), or enable_moe_block to false and num_experts to null where it has "
+                            "none."))
     if not hardware.cuda:
         check_cpu_engine_args(arch.family, extra)
     arena.arena_bytes()  # a bad INTERP_ENGINE_ARENA_BYTES: refused before the engine starts
