@@ -25,6 +25,10 @@ WRITES = ["embed", "resid_pre.1", "q.1", "k.1", "v.0", "z.0", "attn_out.1", "res
 SLOW = requires("slow")
 SERVED = [pytest.param(("gemma3_text", "vllm"), id="gemma3_text-vllm"),
           pytest.param(("gemma3_text", "vllm-static"), id="gemma3_text-vllm-static", marks=SLOW),
+          # OLMo 2 runs through vLLM's Transformers backend (HF's modules, batched).
+          pytest.param(("olmo2", "vllm"), id="olmo2-vllm"),
+          pytest.param(("olmo2", "vllm-static"), id="olmo2-vllm-static", marks=SLOW),
+          pytest.param(("olmo2", "vllm", 2), id="olmo2-vllm-num_gpus=2", marks=SLOW),
           pytest.param(("phi3", "vllm"), id="phi3-vllm"),
           pytest.param(("phi3", "vllm-static"), id="phi3-vllm-static", marks=SLOW),
           pytest.param(("qwen3_moe", "vllm"), id="qwen3_moe-vllm"),
@@ -64,14 +68,14 @@ def _close(a, b, what, static):
 
 @pytest.fixture(scope="module", params=SERVED)
 def served(request, tiny_path, eager):
-    family, backend = request.param
+    family, backend, *ranks = request.param
     for live in list(_LIVE.values()):  # one engine per process
         live.unload()
     # expert_out: eager only (vLLM's fused experts never form it)
     static_points = [a for a in eager(family).points() if not a.info.eager_only_read]
     extra = dict(static_points=static_points, static_writes=_writes(family)) if backend == "vllm-static" else {}
     with no_child_survives():
-        model = load_model(str(tiny_path(family)), backend=backend, **extra)
+        model = load_model(str(tiny_path(family)), backend=backend, num_gpus=ranks[0] if ranks else 1, **extra)
         asyncio.run(model.warmup())
         yield family, backend, model
         asyncio.run(model.shutdown())
@@ -104,12 +108,6 @@ def test_weights_equal_eager_or_are_refused_for_moe(served, eager):
             model.weights
     else:
         assert_same_weights(model.weights, eager(family).weights)
-
-
-def test_olmo2_is_refused_on_vllm_naming_why(tiny_path):
-    with pytest.raises(BackendError) as refused:
-        load_model(str(tiny_path("olmo2")), backend="vllm")
-    assert "Transformers fallback" in str(refused.value) and "eager" in str(refused.value)
 
 
 @pytest.mark.parametrize("family", MOE)

@@ -21,7 +21,7 @@ from interp_engine.backends.vllm.layouts import layout_of, shards_of
 from interp_engine.backends.vllm.row_map import Active, calls_in_step
 from interp_engine.backends.vllm.patterns import key_sharing, record_patterns, sharing, wants_patterns
 from interp_engine.backends.vllm.weights import WeightsExtension
-from interp_engine.backends.vllm.sites import (EMBED, FINAL, LOGITS, MODEL_SITES, Site, layer_positions, layer_sites,
+from interp_engine.backends.vllm.sites import (EMBED, FINAL, LOGITS, Site, layer_positions, layer_sites, model_sites,
                                                module_of, register)
 from interp_engine.edits import apply, failure
 
@@ -275,7 +275,7 @@ def install(runner, calls: dict[str, WorkerCall], state: StepState | None = None
     # The (layer, site) pairs that hook for this set of points, found once per set: checking every site of every
     # layer (~110 on a 29M model, nearly all hooking nothing) was most of a small call's install in the worker.
     sites = state.hooked.pop(needed, None) or [(i, s) for i in range(len(layers)) for s in layer_sites(layout)] + \
-        [(None, s) for s in MODEL_SITES]
+        [(None, s) for s in model_sites(layout)]
     hooking = []
     for i, site in sites:
         if new := _hook(site, model if i is None else layers[i], i, layout, state, needed, model):
