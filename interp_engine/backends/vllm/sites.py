@@ -198,6 +198,7 @@ SITES = (
     Site("linear_attn", "post", OUTPUT, ("attn_out",)),
     Site("mid_norm", "pre", FUSED_IN, ("resid_mid",)),
     Site("mlp_in", "post", GATE_UP, ("mlp_pre", "mlp_pre_linear")),
+    Site("mlp_pre", "post", FIRST_OUTPUT, ("mlp_pre",)),
     Site("mlp_down", "pre", INPUT, ("mlp_act",)),
     # The MoE gate's output, (logits, bias): the experts choose from the logits it returns.
     Site("router", "post", FIRST_OUTPUT, ("router_logits",)),

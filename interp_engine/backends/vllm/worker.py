@@ -109,6 +109,7 @@ class InterpExtension(WeightsExtension):
         state = self._ie_step_state()
         if state is not None:
             state.active = []  # a step without installed calls maps no rows: nothing of an earlier step stays
+            state.positions = kwargs.get("positions")  # for layers that take none (GPT-2's)
         out = self._ie_run(forward, *args, **kwargs)
         if state is not None and state.active:
             state.to_host()
@@ -177,11 +178,13 @@ class StepState:
         # norm.forward, not norm(): hooks on the final norm belong to the model's own final, not to a lens read.
         self.lens = lambda x: torch.log_softmax(model.compute_logits(norm.forward(x)).float(), dim=-1)
         self.active: list[Active] = []
+        self.positions: Tensor | None = None  # this step's, from the model's forward
         self.recording = compat.tp_rank() == 0  # only rank 0's records are handed back
         self.moving: list[tuple[WorkerCall, list, int]] = []  # this step's records on the device: where they are
         self.hooked: dict[frozenset[Address], list] = {}  # per set of points: its hooking sites (`install`)
 
-    def begin(self, positions: Tensor) -> None:
+    def begin(self, positions: Tensor | None) -> None:
+        positions = self.positions if positions is None else positions
         self.active, self.moving = calls_in_step(self.runner, self.calls, positions), []
 
     def touch(self, address: Address, x: Tensor, fresh: bool = False) -> Tensor:
