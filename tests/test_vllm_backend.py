@@ -170,7 +170,6 @@ def test_refusals_name_the_fix(served, tiny_path):
         (lambda: steer(model, PROMPTS, S.Scale("attn_probs.0", 0.5)), 'backend="eager"'),
         (lambda: steer(model, PROMPTS, S.Ablate("z.0", how="mean")), "S.Set("),
         (lambda: load_model(str(tiny_path("qwen2")), backend="vllm").runtime.load(), "shutdown()"),
-        (lambda: load_model(str(tiny_path("gpt2")), backend="vllm"), 'backend="eager"'),
         (lambda: load_model(str(tiny_path("llama")), backend="vllm", requires_grad=True), "requires_grad=True"),
         (lambda: load_model(str(tiny_path("llama")), backend="vllm", enable_prefix_caching=False),
          "extra_vllm_kwargs"),

@@ -28,8 +28,10 @@ class VllmLayout:
     mlp_down: str | None = None  # its input is mlp_act
     mid_norm: str | None = None  # the fused add-norm called as (attn_out, resid_pre) ("first": as (resid_mid,))
     mlp_in: str | None = None  # the merged gate_up projection, whose output's halves are mlp_pre and mlp_pre_linear
+    mlp_pre: str | None = None  # an ungated MLP's input projection (GPT-2's c_fc), whose output is mlp_pre
     # What a layer's output holds: "sum", the stream as (hidden, residual) that the next fused add-norm adds;
-    # "first", the stream itself, alone or first of a tuple whose rest the next layer never reads.
+    # "first", the stream itself, alone or first of a tuple whose rest the next layer never reads; "batched", HF's
+    # layers run by vLLM's Transformers backend: the stream alone, every tensor but q/k/v [1, tokens, ...].
     stream_out: str = "sum"
     router: str | None = None  # the MoE gate, whose output's first element is router_logits
     kv_latent: str | None = None  # latent attention's KV norm, whose output is kv_latent

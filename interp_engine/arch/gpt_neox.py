@@ -2,9 +2,16 @@
 
 With a parallel block there is no residual between attention and MLP; resid_mid is resid_pre + attn_out,
 the stream after attention alone, and writing it changes resid_post but not the MLP's input.
+
+vLLM 0.32 runs GPTNeoXForCausalLM through its Transformers backend (HF's modules, batched: see arch/olmo2.py);
+attn_out and mlp_out are the outputs of the dropouts after attention and MLP (identities at inference: the
+attention module itself returns a tuple). No module there sees resid_mid: it is refused on vLLM.
 """
 
-from interp_engine.arch import Arch
+from interp_engine.arch import Arch, VllmLayout
+
+PARALLEL_MID = ("its attention and MLP both read resid_pre (a parallel block), so no module on vLLM sees "
+                "resid_pre + attn_out; eager forms it for reading and writing")
 
 ARCHES = (
     Arch(
@@ -20,5 +27,18 @@ ARCHES = (
         mlp_pre="mlp.dense_h_to_4h",
         mlp_down="mlp.dense_4h_to_h",
         parallel=True,
+        vllm=VllmLayout(
+            layers="model.layers",
+            final_norm="model.final_layer_norm",
+            attention="attention.attn.attn",  # behind a module that calls it (compat.model)
+            o_proj="attention.dense",
+            attn_out="post_attention_dropout",
+            mlp_out="post_mlp_dropout",
+            mlp_pre="mlp.dense_h_to_4h",
+            mlp_down="mlp.dense_4h_to_h",
+            stream_out="batched",
+            refused_points=("resid_mid",),
+            refused_why=PARALLEL_MID,
+        ),
     ),
 )

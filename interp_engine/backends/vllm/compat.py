@@ -182,7 +182,35 @@ def model(runner):
     from interp_engine.arch.aliases import WRAPPERS
 
     wrapper = WRAPPERS.get(runner.model_config.hf_config.model_type)
-    return runner.get_model().get_submodule(wrapper.vllm_text_model if wrapper else "")
+    text = runner.get_model().get_submodule(wrapper.vllm_text_model if wrapper else "")
+    if not getattr(text, "_ie_called", False):
+        _call_attention(text)
+        text._ie_called = True
+    return text
+
+
+def _call_attention(model) -> None:
+    """vLLM's Transformers backend (OLMo 2) runs each layer's `Attention` as `attn.forward(q, k, v)`, past the
+    module's hooks: each goes behind a module that calls it, so `self_attn.attn.attn` is hooked as natively."""
+    import torch
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.model_executor.models.transformers.base import VLLM_ATTN_ATTR, Base
+
+    class Called(torch.nn.Module):
+        def forward(self, *args, **kwargs):
+            return self.attn(*args, **kwargs)
+
+        def __getattr__(self, name):  # what the backend reads of the attention (has_sink, ...)
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                return getattr(self._modules["attn"], name)
+
+    if isinstance(model, Base):
+        for parent in [m for m in model.modules() if isinstance(getattr(m, VLLM_ATTN_ATTR, None), Attention)]:
+            called = Called()
+            called.attn = getattr(parent, VLLM_ATTN_ATTR)
+            setattr(parent, VLLM_ATTN_ATTR, called)
 
 
 def hf_config(runner):

@@ -60,6 +60,8 @@ def _order(args) -> tuple[str, ...]:
 def _layer_args(args, kwargs):
     names = _order(args)
     values = dict(zip(names, args)) | {n: kwargs.get(n) for n in names[len(args):]}
+    if values["positions"] is None and kwargs.get("position_ids") is not None:  # an HF layer (batched)
+        values["positions"] = kwargs["position_ids"].flatten()
     return values["positions"], values["hidden_states"], values["residual"]
 
 
@@ -196,6 +198,7 @@ SITES = (
     Site("linear_attn", "post", OUTPUT, ("attn_out",)),
     Site("mid_norm", "pre", FUSED_IN, ("resid_mid",)),
     Site("mlp_in", "post", GATE_UP, ("mlp_pre", "mlp_pre_linear")),
+    Site("mlp_pre", "post", FIRST_OUTPUT, ("mlp_pre",)),
     Site("mlp_down", "pre", INPUT, ("mlp_act",)),
     # The MoE gate's output, (logits, bias): the experts choose from the logits it returns.
     Site("router", "post", FIRST_OUTPUT, ("router_logits",)),
@@ -211,9 +214,37 @@ _FIRST_CODECS = {STREAM_OUT: FIRST_OUTPUT, FUSED_IN: STREAM_SHARED}
 _FIRST_SITES = tuple(dataclasses.replace(s, codec=_FIRST_CODECS.get(s.codec, s.codec)) for s in LAYER_SITES)
 
 
+
+
+def _batched(codec: Codec) -> Codec:
+    """`codec` on HF modules run by vLLM's Transformers backend: every tensor but attention's q, k, v is
+    [1, tokens, ...] (a batch of one), unpacked as [tokens, ...] and packed back with the batch axis."""
+    return dataclasses.replace(
+        codec, name=f"batched_{codec.name}",
+        unpack=lambda *a: tuple(x[0] for x in codec.unpack(*a)),
+        repack=lambda *a: codec.repack(*a[:-1], tuple(y.unsqueeze(0) for y in a[-1])))
+
+
+# Its projections return the tensor alone (return_bias=False): the merged gate_up's output is [gate; up] itself.
+_GATE_UP_ALONE = Codec("gate_up_alone", lambda args, kwargs, out: tuple(out.chunk(2, dim=-1)),
+                       lambda args, kwargs, out, new: torch.cat(new, dim=-1))
+# Its layers take and return the stream alone, and no norm adds a residual: the MLP's input is resid_mid and
+# also the tensor its layer adds the MLP's output to (written in place, as STREAM_SHARED).
+_BATCHED_CODECS = {c: _batched(c) for c in (STREAM_IN, INPUT, OUTPUT, FIRST_OUTPUT, STREAM_SHARED)} | {
+    STREAM_OUT: _batched(FIRST_OUTPUT), FUSED_IN: _batched(STREAM_SHARED), GATE_UP: _batched(_GATE_UP_ALONE)}
+_BATCHED_SITES = tuple(dataclasses.replace(s, codec=_BATCHED_CODECS.get(s.codec, s.codec)) for s in SITES)
+
+
 def layer_sites(layout) -> tuple[Site, ...]:
     """The layer sites for a layout's convention of what a layer returns (`VllmLayout.stream_out`)."""
+    if layout.stream_out == "batched":
+        return tuple(s for s in _BATCHED_SITES if s.scope == "layer")
     return _FIRST_SITES if layout.stream_out == "first" else LAYER_SITES
+
+
+def model_sites(layout) -> tuple[Site, ...]:
+    """The model-wide sites (the final norm) for a layout's convention."""
+    return tuple(s for s in _BATCHED_SITES if s.scope == "model") if layout.stream_out == "batched" else MODEL_SITES
 
 
 def module_of(site: Site, layout, root):

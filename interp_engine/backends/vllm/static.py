@@ -33,7 +33,7 @@ from interp_engine.backends.vllm import compat, wire
 from interp_engine.backends.vllm.patterns import record_patterns, sharing
 from interp_engine.backends.vllm.static_clamp import ClampTap
 from interp_engine.backends.vllm.static_splice import SpliceTap
-from interp_engine.backends.vllm.sites import (FINAL, LOGITS, MODEL_SITES, Site, layer_sites, module_at, module_of,
+from interp_engine.backends.vllm.sites import (FINAL, LOGITS, Site, layer_sites, model_sites, module_at, module_of,
                                                register)
 from interp_engine.backends.vllm.derived import expert_weights, head_results, record
 from interp_engine.backends.vllm.layouts import layout_of
@@ -124,7 +124,7 @@ class StaticTaps:
         for i, layer in enumerate(layers):
             for site in layer_sites(layout):
                 self.handles += _tap_site(site, layer, i, layout, bodies)
-        for site in MODEL_SITES:
+        for site in model_sites(layout):
             self.handles += _tap_site(site, self.model, None, layout, bodies)
 
     def _whole(self, address: Address) -> tuple[Callable, Callable]:

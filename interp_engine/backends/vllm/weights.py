@@ -102,7 +102,22 @@ def _read(flat: dict[str, Tensor], runtime) -> Weights:
     config = AutoConfig.from_pretrained(runtime.source, trust_remote_code=trust)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust)
-    model.load_state_dict(_hf_names(flat, set(model.state_dict()), runtime.dims), strict=False, assign=True)
+    from transformers.pytorch_utils import Conv1D
+
+    names = set(model.state_dict())
+    # vLLM's Transformers backend names the base model `model` and the head `lm_head` (GPT-NeoX's: gpt_neox, embed_out)
+    head = next(name for name, m in model.named_modules() if m is model.get_output_embeddings())
+    renamed = {"model": model.base_model_prefix, "lm_head": head}
+    state = {}
+    for key, x in flat.items():
+        first, _, rest = key.partition(".")
+        hf = f"{renamed.get(first, first)}.{rest}"
+        state[hf if key not in names and hf in names else key] = x
+    state = _hf_names(state, names, runtime.dims)
+    for key in [k for k in state if k.endswith(".weight") and k in names]:
+        if isinstance(model.get_submodule(key.removesuffix(".weight")), Conv1D):  # GPT-2's: [in, out], vLLM's transposed
+            state[key] = state[key].t().contiguous()
+    model.load_state_dict(state, strict=False, assign=True)
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     if head.weight.is_meta:  # tied: vLLM keeps one matrix, HF's head shares the embedding's
         head.weight = embed.weight

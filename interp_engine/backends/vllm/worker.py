@@ -21,7 +21,7 @@ from interp_engine.backends.vllm.layouts import layout_of, shards_of
 from interp_engine.backends.vllm.row_map import Active, calls_in_step
 from interp_engine.backends.vllm.patterns import key_sharing, record_patterns, sharing, wants_patterns
 from interp_engine.backends.vllm.weights import WeightsExtension
-from interp_engine.backends.vllm.sites import (EMBED, FINAL, LOGITS, MODEL_SITES, Site, layer_positions, layer_sites,
+from interp_engine.backends.vllm.sites import (EMBED, FINAL, LOGITS, Site, layer_positions, layer_sites, model_sites,
                                                module_of, register)
 from interp_engine.edits import apply, failure
 
@@ -138,6 +138,7 @@ class InterpExtension(WeightsExtension):
         state = self._ie_step_state()
         if state is not None:
             state.active = []  # a step without installed calls maps no rows: nothing of an earlier step stays
+            state.positions = kwargs.get("positions")  # for layers that take none (GPT-2's)
         out = self._ie_run(forward, *args, **kwargs)
         if state is not None and state.active:
             state.to_host()
@@ -206,11 +207,13 @@ class StepState:
         # norm.forward, not norm(): hooks on the final norm belong to the model's own final, not to a lens read.
         self.lens = lambda x: torch.log_softmax(model.compute_logits(norm.forward(x)).float(), dim=-1)
         self.active: list[Active] = []
+        self.positions: Tensor | None = None  # this step's, from the model's forward
         self.recording = compat.tp_rank() == 0  # only rank 0's records are handed back
         self.moving: list[tuple[WorkerCall, list, int]] = []  # this step's records on the device: where they are
         self.hooked: dict[frozenset[Address], list] = {}  # per set of points: its hooking sites (`install`)
 
-    def begin(self, positions: Tensor) -> None:
+    def begin(self, positions: Tensor | None) -> None:
+        positions = self.positions if positions is None else positions
         self.active, self.moving = calls_in_step(self.runner, self.calls, positions), []
 
     def touch(self, address: Address, x: Tensor, fresh: bool = False) -> Tensor:
@@ -304,7 +307,7 @@ def install(runner, calls: dict[str, WorkerCall], state: StepState | None = None
     # The (layer, site) pairs that hook for this set of points, found once per set: checking every site of every
     # layer (~110 on a 29M model, nearly all hooking nothing) was most of a small call's install in the worker.
     sites = state.hooked.pop(needed, None) or [(i, s) for i in range(len(layers)) for s in layer_sites(layout)] + \
-        [(None, s) for s in MODEL_SITES]
+        [(None, s) for s in model_sites(layout)]
     hooking = []
     for i, site in sites:
         if new := _hook(site, model if i is None else layers[i], i, layout, state, needed, model):
