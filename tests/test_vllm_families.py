@@ -67,8 +67,7 @@ def served(request, tiny_path, eager):
     family, backend = request.param
     for live in list(_LIVE.values()):  # one engine per process
         live.unload()
-    # expert_out: eager only (vLLM's fused experts never form it)
-    static_points = [a for a in eager(family).points() if not a.info.eager_only_read]
+    static_points = list(eager(family).points())
     extra = dict(static_points=static_points, static_writes=_writes(family)) if backend == "vllm-static" else {}
     with no_child_survives():
         model = load_model(str(tiny_path(family)), backend=backend, **extra)
@@ -150,3 +149,27 @@ def test_router_steering_chooses_the_same_experts_as_on_eager(served, eager, hf_
             for p in negated:
                 p.neg_()
     _close(ours["logits"][:1, :n], hf, "logits against HF with the gate negated", backend == "vllm-static")
+
+
+def test_expert_out_equals_eager_plain_under_a_router_write_and_a_stream_write(served, eager):
+    """Each chosen expert's output, recomputed in the worker from the layer's fused weights: equal to eager's (the
+    experts run alone), plain, with the router's logits negated (other experts chosen) and with the stream written
+    before the layer; and weighted by the chosen experts' weights it sums to vLLM's own fused mlp_out."""
+    family, backend, model = served
+    if family not in MOE:
+        return
+    assert {a for a in model.points() if a.point == "expert_out"} == {a for a in eager(family).points()
+                                                                      if a.point == "expert_out"}
+    read = ["expert_out.1", "expert_weights.1", "mlp_out.1", "router_logits.1"]
+    static = backend == "vllm-static"
+    outs = {}
+    for name, edits in (("plain", S.Spec()), ("router", S.Scale("router_logits.1", -1.0)),
+                        ("stream", S.Add("resid_pre.1", torch.linspace(-2, 2, model.d_model)))):
+        ours, theirs = capture(model, PROMPTS, read, edits), capture(eager(family), PROMPTS, read, edits)
+        for address in read:
+            _close(ours[address], theirs[address], f"{address} {name}", static)
+        k = ours["expert_out.1"].shape[2]
+        weights = ours["expert_weights.1"].topk(k, dim=-1).values  # highest first, as expert_out's slots
+        _close((ours["expert_out.1"] * weights[..., None]).sum(2), ours["mlp_out.1"], f"sum {name}", static)
+        outs[name] = ours["expert_out.1"]
+    assert not torch.allclose(outs["plain"], outs["router"]) and not torch.allclose(outs["plain"], outs["stream"])
