@@ -337,6 +337,9 @@ def _hook(site: Site, root, layer: int | None, layout, state: StepState, needed:
             record_patterns(state, layer, full["q"], full.get("k"), module, *sharing(state.sources, layer))
         return tuple(out)
 
-    keep = [module.register_forward_pre_hook(lambda m, args: rows_in.__setitem__(slice(None), [args[0]]) if state.active else None)] \
-        if each else []
+    def keep_input(gate, args) -> None:
+        if state.active:
+            rows_in[:] = [args[0]]
+
+    keep = [module.register_forward_pre_hook(keep_input)] if each else []
     return keep + [register(module, site, transform, when=lambda: bool(state.active))]
