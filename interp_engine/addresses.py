@@ -67,7 +67,7 @@ POINTS: dict[str, PointInfo] = {
         PointInfo("mlp_out", _RESID),
         PointInfo("router_logits", ("batch", "pos", "n_experts")),
         PointInfo("expert_weights", ("batch", "pos", "n_experts"), read_only=True),
-        PointInfo("expert_out", ("batch", "pos", "top_k", "d_model"), read_only=True, eager_only_read=True),
+        PointInfo("expert_out", ("batch", "pos", "top_k", "d_model"), read_only=True),
         PointInfo("resid_post", _RESID),
         PointInfo("final", _RESID, layered=False),
         PointInfo("logits", ("batch", "pos", "d_vocab"), layered=False, eager_only_write=True),

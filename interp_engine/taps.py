@@ -18,9 +18,10 @@ PATTERNS = ("attn_scores", "attn_probs")
 # engine keeps the final norm's output and the unembedding runs on it after the step.
 ALWAYS = (Address("final"), Address("logits"))
 CLAMP_SLOTS = 64  # distinct (SAE, feature) pairs a compiled clamp holds per step, over all the step's calls
-# Reads recomputed after the step from another point's tapped rows, as the vllm backend recomputes them in its
-# hooks (backends/vllm/derived.py): expert_weights from the router's logits, attn_result from z and o_proj.
-DERIVED = {"expert_weights": "router_logits", "attn_result": "z"}
+# Reads recomputed after the step from other points' tapped rows, as the vllm backend recomputes them in its
+# hooks (backends/vllm/derived.py, experts.py): expert_weights from the router's logits, attn_result from z and
+# o_proj, expert_out from the router's logits and resid_mid (the experts' input is its norm's output).
+DERIVED = {"expert_weights": ("router_logits",), "attn_result": ("z",), "expert_out": ("router_logits", "resid_mid")}
 
 
 def declare(points: Any, n_layers: int, *, keyword: str) -> tuple[Address, ...]:
@@ -83,10 +84,10 @@ class Taps:
     def buffers(self) -> tuple[Address, ...]:
         """The points that get a read buffer: the declared reads, the final norm's output (logits come from
         it), for an attention pattern its layer's q and k (the pattern is recomputed from them), and for a
-        DERIVED read the point it is recomputed from."""
+        DERIVED read the points it is recomputed from."""
         out = {a for a in self.reads if a.point not in PATTERNS and a not in ALWAYS} | {ALWAYS[0]}
         out |= {Address(p, a.layer) for a in self.reads if a.point in PATTERNS for p in ("q", "k")}
-        out = {Address(DERIVED[a.point], a.layer) if a.point in DERIVED else a for a in out}
+        out = {s for a in out for s in ([Address(p, a.layer) for p in DERIVED[a.point]] if a.point in DERIVED else [a])}
         return tuple(sorted(out))
 
     def readable(self) -> tuple[Address, ...]:

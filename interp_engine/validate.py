@@ -36,7 +36,6 @@ def feature_shape(address: Address, dims: Dims, width: int) -> tuple[int, ...]:
 
 # Per eager-only point: what the vLLM backends never form, and what to read there instead.
 _EAGER_ONLY = {
-    "expert_out": ("each expert's output apart from the weighted sum", "mlp_out (their weighted sum) and expert_weights"),
     **{p: (f"a Gated DeltaNet's {what} outside its one custom op (the convolution, the gating and the delta rule "
            "run inside it, on its cached state)", "lin_out and lin_z (what its gated norm receives) or attn_out")
        for p, what in (("lin_q", "queries"), ("lin_k", "keys"), ("lin_v", "values"), ("lin_beta", "write strength"),

@@ -21,10 +21,9 @@ from tests.skips import requires
 from validator.comparison.tolerances import compare, tolerance_for
 
 REAL_LATENT = {"kv_lora_rank": 512, "qk_rope_head_dim": 64}
-# What vLLM serves for this family: every point it has on eager but expert_out (eager only for every MoE family);
-# k and v there are read only.
+# What vLLM serves for this family: every point it has on eager; k and v there are read only.
 SERVED = {"embed", "resid_pre", "q", "k", "v", "z", "attn_scores", "attn_probs", "attn_result", "kv_latent", "attn_out",
-          "resid_mid", "mlp_pre", "mlp_pre_linear", "mlp_act", "router_logits", "expert_weights", "mlp_out",
+          "resid_mid", "mlp_pre", "mlp_pre_linear", "mlp_act", "router_logits", "expert_weights", "expert_out", "mlp_out",
           "resid_post", "final", "logits"}
 
 
@@ -46,7 +45,7 @@ WRITES = ["resid_post.0", "kv_latent.1", "z.1", "q.2", "router_logits.2"]
 def _served(path, num_gpus: int, backend: str = "vllm", reference=None):
     for live in list(_LIVE.values()):  # one engine per process
         live.unload()
-    # vllm-static: every point vllm serves, declared (expert_out is eager only), and the writes the check makes.
+    # vllm-static: every point vllm serves, declared, and the writes the check makes.
     static = dict(static_points=[a for a in reference.points() if a.point in SERVED],
                   static_writes=WRITES) if backend == "vllm-static" else {}
     with no_child_survives():
@@ -79,7 +78,8 @@ def check_every_point_and_write_equals_eager(model, reference) -> None:
     points = model.points()
     assert {a.point for a in points} == SERVED
     by_layer = lambda p: sorted(a.layer for a in points if a.point == p)  # noqa: E731
-    assert by_layer("mlp_act") == by_layer("mlp_pre") == [0] and by_layer("router_logits") == [1, 2]
+    assert by_layer("mlp_act") == by_layer("mlp_pre") == [0] and by_layer("router_logits") == by_layer("expert_out") \
+        == [1, 2]
     assert by_layer("kv_latent") == by_layer("attn_probs") == by_layer("mlp_out") == [0, 1, 2]
     d, n, dims = model.d_model, model.dims.d_latent, model.dims
     # The q edit differs in every dimension, so one put in the wrong rotary dimension (vLLM pairs them
@@ -130,15 +130,14 @@ def test_a_latent_steered_generation_equals_eager(served, reference):
 def test_k_and_v_writes_and_points_deepseek_lacks_are_refused_before_any_request(served):
     spec = S.Add("k.1", torch.ones(served.dims.n_heads, served.dims.d_head)) + S.Scale("v.2", 0.0, heads=[0])
     with pytest.raises(InterpEngineError) as err:
-        capture(served, PROMPTS, ["expert_out.1", "router_logits.0"], spec)
+        capture(served, PROMPTS, ["expert_out.0", "router_logits.0"], spec)
     text = str(err.value)
     assert "4 problems" in text, text
     for point in ("k.1", "v.2"):
         assert f'{point} is read-only on backend="vllm" for deepseek_v3' in text, point
     assert "expands k and v from the cached latent inside its kernel" in text and "edit kv_latent" in text
     assert 'backend="eager") to edit k' in text
-    assert "expert_out.1 is read on the eager backend only" in text
-    assert "layer 0 is a dense MLP" in text
+    assert "expert_out.0 does not exist" in text and "layer 0 is a dense MLP" in text
     assert served.runtime.worker_status() == [{"calls": 0, "hooks": 0}]
 
 

@@ -53,7 +53,8 @@ def test_every_point_and_the_chosen_experts_equal_eager_plain_and_under_a_router
     router reads): every point and the experts chosen equal eager's."""
     model, reference = served, eager(FAMILY)
     points = model.points()
-    assert points == tuple(a for a in reference.points() if a.point != "expert_out")  # eager only, as elsewhere
+    # expert_out: refused on vLLM for Gemma 4 (its experts' input is not its router's: arch/gemma4.py)
+    assert points == tuple(a for a in reference.points() if a.point != "expert_out")
     steered = (S.Add("router_logits.1", torch.linspace(-3, 3, 8)) + S.Scale("router_logits.0", -1.0)
                + S.Ablate("mlp_act.2") + S.Add("mlp_out.2", torch.linspace(-1, 1, model.d_model))
                + S.Add("resid_mid.1", torch.linspace(1, -1, model.d_model)))

@@ -79,8 +79,7 @@ def served(request, tiny_path, eager):
     family, backend, *ranks = request.param
     for live in list(_LIVE.values()):  # one engine per process
         live.unload()
-    # expert_out: eager only (vLLM's fused experts never form it)
-    static_points = [a for a in eager(family).points() if not a.info.eager_only_read]
+    static_points = list(eager(family).points())
     extra = dict(static_points=static_points, static_writes=_writes(family)) if backend == "vllm-static" else {}
     with no_child_survives():
         model = load_model(str(tiny_path(family)), backend=backend, num_gpus=ranks[0] if ranks else 1, **extra)
@@ -159,3 +158,30 @@ def test_router_steering_chooses_the_same_experts_as_on_eager(served, eager, hf_
             for p in negated:
                 p.neg_()
     _close(ours["logits"][:1, :n], hf, "logits against HF with the gate negated", backend == "vllm-static")
+
+
+def test_expert_out_equals_eager_plain_under_a_router_write_and_a_stream_write(served, eager):
+    """Each chosen expert's output, recomputed in the worker from the layer's fused weights: equal to eager's (the
+    experts run alone), plain, with the router's logits negated (other experts chosen) and with the stream written
+    before the layer; and weighted by the chosen experts' weights it sums to vLLM's own fused mlp_out."""
+    family, backend, model = served
+    if family not in MOE:
+        return
+    assert {a for a in model.points() if a.point == "expert_out"} == {a for a in eager(family).points()
+                                                                      if a.point == "expert_out"}
+    # Layer 0 under the router write, layer 1 under the stream write before it (writes vllm-static declares).
+    read = [f"{p}.{i}" for i in (0, 1) for p in ("expert_out", "expert_weights", "mlp_out", "router_logits")]
+    static = backend == "vllm-static"
+    outs = {}
+    for name, edits in (("plain", S.Spec()), ("router", S.Scale("router_logits.0", -1.0)),
+                        ("stream", S.Add("resid_pre.1", torch.linspace(-2, 2, model.d_model)))):
+        ours, theirs = capture(model, PROMPTS, read, edits), capture(eager(family), PROMPTS, read, edits)
+        for address in read:
+            _close(ours[address], theirs[address], f"{address} {name}", static)
+        for i in (0, 1):
+            each = ours[f"expert_out.{i}"]
+            weights = ours[f"expert_weights.{i}"].topk(each.shape[2], dim=-1).values  # highest first, as the slots
+            _close((each * weights[..., None]).sum(2), ours[f"mlp_out.{i}"], f"weighted sum {i} {name}", static)
+        outs[name] = ours
+    assert not torch.allclose(outs["plain"]["expert_out.0"], outs["router"]["expert_out.0"])
+    assert not torch.allclose(outs["plain"]["expert_out.1"], outs["stream"]["expert_out.1"])

@@ -19,7 +19,7 @@ WRITES = ["embed", "resid_pre.1", "q.1", "k.1", "v.0", "z.0", "attn_out.1", "res
 
 
 def _vllm_points(model) -> list:
-    """Every point of an eager handle but those read on eager only (expert_out)."""
+    """Every point of an eager handle but those read on eager only (a Gated DeltaNet's lin_q ...)."""
     return [a for a in model.points() if not a.info.eager_only_read]
 
 

@@ -54,7 +54,10 @@ from interp_engine.arch.routing import Moe
 VLLM = VllmLayout(layers="model.layers", final_norm="model.norm", attention="self_attn.attn", o_proj="self_attn.o_proj",
                   attn_out="post_attention_layernorm", mlp_out="post_feedforward_layernorm", mlp_down="mlp.down_proj",
                   mlp_in="mlp.gate_up_proj", mid_norm="pre_feedforward_layernorm", stream_out="first",
-                  router="router")
+                  router="router", refused_points=("expert_out",),
+                  refused_why="its experts read pre_feedforward_layernorm_2's output, not its router's input, and "
+                              "expert_out is recomputed on vLLM from the router's input rows (Qwen3-MoE, Mixtral, "
+                              "DeepSeek-V3, GPT-OSS and Qwen3-Next serve it)")
 
 ARCHES = (dataclasses.replace(
     gemma2.ARCHES[0], family="gemma4", model_types=("gemma4_text",), vllm=VLLM, normalization="rmsnorm",

@@ -56,7 +56,7 @@ class Capabilities:
     # and why.
     read_only: frozenset[str] = frozenset()
     read_only_why: str = ""
-    eager_only_reads: bool = False  # points with eager_only_read are readable (expert_out)
+    eager_only_reads: bool = False  # points with eager_only_read are readable (a Gated DeltaNet's lin_q ...)
 
     def serves(self, verb: str) -> bool:
         return verb in self.verbs

@@ -38,8 +38,8 @@ class SteerCase:
 
 def has_point(name: str, served: Collection[str]) -> bool:
     """`served`: the point names the model's arch has (`served_points`: MoE or dense points, a discovered model's
-    residual stream; per layer, `arch.layers.lacking` says more). expert_out is read on eager only:
-    `eager_only_reads` asks it of every backend."""
+    residual stream; per layer, `arch.layers.lacking` says more). A Gated DeltaNet's lin_q ... are read on eager
+    only: `eager_only_reads` asks them of every backend."""
     return not POINTS[name].eager_only_read and name in served
 
 

@@ -118,9 +118,10 @@ def markdown(rows: list[Row], meta: dict) -> str:
 # The README's table: one row per model, one column per backend and num_gpus.
 COLUMNS = (("vllm", 1), ("vllm", 2), ("vllm-static", 1), ("vllm-static", 2))
 _DENSE_OR_MOE = {"mlp_act", "router_logits", "expert_weights"}
-# Latent attention only; hybrid linear attention only; TransformerLens's attn_result, mlp_pre, mlp_pre_linear:
-# not on every family (MoE, ungated MLPs), and absent from committed results older than them.
-_SOME_FAMILIES = {"kv_latent", *LINEAR_POINTS, "attn_result", "mlp_pre", "mlp_pre_linear"}
+# Latent attention only; hybrid linear attention only; TransformerLens's attn_result, mlp_pre, mlp_pre_linear;
+# expert_out (MoE, refused on vLLM for Gemma 4): not on every family (MoE, ungated MLPs), and absent from committed
+# results older than them.
+_SOME_FAMILIES = {"kv_latent", *LINEAR_POINTS, "attn_result", "mlp_pre", "mlp_pre_linear", "expert_out"}
 
 
 def point_set(points: set[str]) -> str:

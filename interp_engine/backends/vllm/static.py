@@ -13,9 +13,9 @@ ops only, on buffers allocated once, so it is traced into the graph and replayed
 No Python runs inside the model per step. Around each forward (in the runner's `_model_forward`, outside the
 graph) the host fills the write buffers for this step's rows and, afterwards, copies out the rows of the calls
 that read, gathers tensor-parallel shards, and computes what vLLM does not (logits at every position, the
-logit lens, attention patterns from the tapped q and k, `taps.DERIVED`: attn_result from the tapped z). The
-calls, their tables and their results are the `vllm` backend's (`worker.InterpExtension`), so the driver is the
-same.
+logit lens, attention patterns from the tapped q and k, `taps.DERIVED`: attn_result from the tapped z,
+expert_out from the tapped router logits and resid_mid). The calls, their tables and their results are the `vllm`
+backend's (`worker.InterpExtension`), so the driver is the same.
 """
 
 import functools
@@ -36,6 +36,7 @@ from interp_engine.backends.vllm.static_splice import SpliceTap
 from interp_engine.backends.vllm.sites import (FINAL, LOGITS, Site, layer_sites, model_sites, module_at, module_of,
                                                register)
 from interp_engine.backends.vllm.derived import expert_weights, head_results, record
+from interp_engine.backends.vllm.experts import record_expert_out
 from interp_engine.backends.vllm.layouts import layout_of
 from interp_engine.backends.vllm.worker import InterpExtension, StepState, WorkerCall
 from interp_engine.edits import affine, failure
@@ -194,11 +195,13 @@ class StaticTaps:
         # with the layers whose keys they attend over (KV-shared layers'), which run first
         pattern_layers = sorted(pattern_layers | {self.sources[i] for i in pattern_layers if i in self.sources})
         qk: dict[Address, Tensor] = {}
+        derived = sorted(a for a in wanted if a.point in DERIVED)
+        sources = {Address(p, a.layer) for a in derived for p in DERIVED[a.point]}
+        tapped: dict[Address, Tensor] = {}
         for address, buf in self.reads.items():
             needs_qk = address.point in ("q", "k") and address.layer in pattern_layers
-            derived = next((Address(p, address.layer) for p, src in DERIVED.items() if src == address.point), None)
             if (address not in wanted and not needs_qk and not (address == FINAL and LOGITS in wanted)
-                    and derived not in wanted):
+                    and address not in sources):
                 continue
             x = self.shards.layer(address.layer).present(address.point, buf[:n])
             for active in state.active:
@@ -211,20 +214,29 @@ class StaticTaps:
                 for active in state.active:
                     if LOGITS in active.call.reads:
                         state.keep(active, LOGITS, logits.index_select(0, active.rows), copied=True)
-            if derived in wanted:  # from the tapped rows (after any edit there), by the vllm backend's formula
-                record(state, derived, lambda: self._derive(derived, x))
+            if address in sources:
+                tapped[address] = x
             if needs_qk:
                 qk[address] = x
+        for address in derived:  # from the tapped rows (after any edit there), by the vllm backend's formulas
+            self._derive(address, *(tapped[Address(p, address.layer)] for p in DERIVED[address.point]))
         for layer in pattern_layers:
             record_patterns(state, layer, qk.get(Address("q", layer)), qk.get(Address("k", layer)),
                             self.attention[layer], *sharing(self.sources, layer))
 
-    def _derive(self, address: Address, x: Tensor) -> Tensor:
-        if address.point == "expert_weights":
-            layer = self.layers[address.layer]
-            return expert_weights(x, self.state.routing(layer.get_submodule(self.layout.router), layer))
-        o_proj = self.layers[address.layer].get_submodule(self.layout.o_proj)
-        return head_results(self.shards.layer(address.layer), x, o_proj)
+    def _derive(self, address: Address, x: Tensor, mid: Tensor | None = None) -> None:
+        layer = self.layers[address.layer]
+        if address.point == "expert_out":  # the experts' input is resid_mid's norm (hooks bypassed: .forward)
+            router, norm = self.layout.router, layer.get_submodule(self.layout.mid_norm)
+            record_expert_out(self.state, address, norm.forward(mid), x,
+                              self.state.routing(layer.get_submodule(router), layer),
+                              layer.get_submodule(router.rpartition(".")[0]))
+        elif address.point == "expert_weights":
+            record(self.state, address, lambda: expert_weights(
+                x, self.state.routing(layer.get_submodule(self.layout.router), layer)))
+        else:
+            record(self.state, address, lambda: head_results(
+                self.shards.layer(address.layer), x, layer.get_submodule(self.layout.o_proj)))
 
 
 def _tap_site(site: Site, root, layer: int | None, layout, bodies: dict[Address, Callable]) -> list:

