@@ -44,7 +44,9 @@ def merge(old: dict, rows: list[Row], meta: dict) -> tuple[list[Row], dict]:
                          "dtypes": {**{m: d for m, d in old.get("dtypes", {}).items() if m not in rerun},
                                     **meta.get("dtypes", {})},
                          "seconds": meta["seconds"] + sum(r["seconds"] for r in earlier),
-                         "runs": earlier + meta.get("runs", [])}
+                         # a merged file carries the runs it was merged from: each run listed once
+                         "runs": list({(r["when"], tuple(r["models"])): r
+                                       for r in earlier + meta.get("runs", [])}.values())}
 
 
 def _cell(rows: list[Row]) -> str:
