@@ -172,5 +172,5 @@ def test_the_vllm_table_names_modules_of_vllms_own_gemma4_moe_tree(tiny_path):
         assert tree[at(table.router)] == "Gemma4Router"
         assert tree[at(table.router) + ".proj"] == "GateLinear"
         for path in (table.mlp_out, table.mid_norm, table.mlp_down, table.mlp_in, "experts",
-                     "post_feedforward_layernorm_1", "post_feedforward_layernorm_2", "pre_feedforward_layernorm_2"):
+                     "post_feedforward_layernorm_1", "post_feedforward_layernorm_2", table.experts_norm):
             assert at(path) in tree, at(path)

@@ -34,6 +34,9 @@ class VllmLayout:
     # layers run by vLLM's Transformers backend: the stream alone, every tensor but q/k/v [1, tokens, ...].
     stream_out: str = "sum"
     router: str | None = None  # the MoE gate, whose output's first element is router_logits
+    # The norm the experts' input is made by from the router's input, where they differ (Gemma 4: the router
+    # normalises resid_mid itself, the experts read pre_feedforward_layernorm_2's); expert_out recomputes it.
+    experts_norm: str | None = None
     kv_latent: str | None = None  # latent attention's KV norm, whose output is kv_latent
     # Points the family has on eager that its vLLM implementation never forms, and why (the refusal says it).
     refused_points: tuple[str, ...] = ()

@@ -50,14 +50,12 @@ from interp_engine.arch.routing import Moe
 # place: sites.STREAM_SHARED); a KV-shared layer's Attention is called as (q, None, None), reading its source
 # layer's cache, so its patterns are recomputed from that layer's keys (`layers.kv_sources`). The MoE block's
 # `router` returns the logits alone, which its experts' custom routing function (softmax, top k, renormalised,
-# times per_expert_scale) chooses from.
+# times per_expert_scale) chooses from; its experts read `pre_feedforward_layernorm_2` of the router's input
+# (resid_mid), which expert_out's recomputation applies to the router's input rows (`experts_norm`).
 VLLM = VllmLayout(layers="model.layers", final_norm="model.norm", attention="self_attn.attn", o_proj="self_attn.o_proj",
                   attn_out="post_attention_layernorm", mlp_out="post_feedforward_layernorm", mlp_down="mlp.down_proj",
                   mlp_in="mlp.gate_up_proj", mid_norm="pre_feedforward_layernorm", stream_out="first",
-                  router="router", refused_points=("expert_out",),
-                  refused_why="its experts read pre_feedforward_layernorm_2's output, not its router's input, and "
-                              "expert_out is recomputed on vLLM from the router's input rows (Qwen3-MoE, Mixtral, "
-                              "DeepSeek-V3, GPT-OSS and Qwen3-Next serve it)")
+                  router="router", experts_norm="pre_feedforward_layernorm_2")
 
 ARCHES = (dataclasses.replace(
     gemma2.ARCHES[0], family="gemma4", model_types=("gemma4_text",), vllm=VLLM, normalization="rmsnorm",

@@ -72,9 +72,9 @@ def _weights(experts) -> tuple[Tensor, Tensor]:
 def _activate(h: Tensor, experts) -> Tensor:
     """The fused layer's activation of an expert's gate-up rows, as its kernel applies it."""
     name = experts.activation.value
-    if name == "silu":
+    if name in ("silu", "gelu_tanh"):  # gelu_tanh: Gemma 4's
         gate, up = h.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return (F.silu(gate) if name == "silu" else F.gelu(gate, approximate="tanh")) * up
     if name == "swigluoai":  # GPT-OSS: gate and up interleaved, clamped, (up + 1) * gate * sigmoid(alpha * gate)
         limit = getattr(experts, "swiglu_limit", None) or 7.0
         alpha = getattr(experts, "swiglu_alpha", None) or 1.702
@@ -113,17 +113,20 @@ def _sum_over_ranks(x: Tensor) -> Tensor:
     return tensor_model_parallel_all_reduce(x.contiguous())
 
 
-def record_expert_out(state, address: Address, x: Tensor, logits: Tensor, routing: tuple, block) -> None:
+def record_expert_out(state, address: Address, x: Tensor, logits: Tensor, routing: tuple, block,
+                      norm=None) -> None:
     """expert_out's rows for every call of this step that reads it, computed once for all of them (one all-reduce
-    whatever the calls: every rank sees the same schedule). A refusal or failure fails those calls only."""
+    whatever the calls: every rank sees the same schedule). `norm`, where given, makes the experts' input from
+    `x` (hooks bypassed: its `forward`), on the rows read only. A refusal or failure fails those calls only."""
     wanting = [a for a in state.active if a.call.wants(address)]
     if not wanting:
         return
     rows = [torch.arange(len(x), device=x.device) if a.whole else a.rows for a in wanting]
     every = torch.cat(rows)
     try:
-        value = expert_outputs(routed_experts(block), x.index_select(0, every), logits.index_select(0, every),
-                               routing)
+        x = x.index_select(0, every)
+        value = expert_outputs(routed_experts(block), x if norm is None else norm.forward(x),
+                               logits.index_select(0, every), routing)
     except Exception as e:
         for active in wanting:
             active.call.fail(str(e) if isinstance(e, Unserved) else wire.recording_failed(address, e), in_spec=False)

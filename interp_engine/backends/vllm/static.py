@@ -226,11 +226,10 @@ class StaticTaps:
 
     def _derive(self, address: Address, x: Tensor, mid: Tensor | None = None) -> None:
         layer = self.layers[address.layer]
-        if address.point == "expert_out":  # the experts' input is resid_mid's norm (hooks bypassed: .forward)
-            router, norm = self.layout.router, layer.get_submodule(self.layout.mid_norm)
-            record_expert_out(self.state, address, norm.forward(mid), x,
-                              self.state.routing(layer.get_submodule(router), layer),
-                              layer.get_submodule(router.rpartition(".")[0]))
+        if address.point == "expert_out":  # the experts' input is resid_mid's norm (or experts_norm's: Gemma 4)
+            router, norm = self.layout.router, layer.get_submodule(self.layout.experts_norm or self.layout.mid_norm)
+            record_expert_out(self.state, address, mid, x, self.state.routing(layer.get_submodule(router), layer),
+                              layer.get_submodule(router.rpartition(".")[0]), norm)
         elif address.point == "expert_weights":
             record(self.state, address, lambda: expert_weights(
                 x, self.state.routing(layer.get_submodule(self.layout.router), layer)))

@@ -342,7 +342,8 @@ def _hook(site: Site, root, layer: int | None, layout, state: StepState, needed:
     if module is None:  # nothing to do here, or not in this layer (a hybrid's other kind of mixer)
         return []
     shards = state.shards.layer(layer)
-    rows_in = []  # expert_out: the gate's input, the experts' own input rows, kept by a pre-hook until its output
+    rows_in = []  # expert_out: the gate's input (the experts' own, or what experts_norm makes theirs from), kept
+    # by a pre-hook until its output
 
     def transform(xs):
         out, full = [], {}
@@ -360,7 +361,8 @@ def _hook(site: Site, root, layer: int | None, layout, state: StepState, needed:
                 state.touch(weights, expert_weights(edited, state.routing(module, root)), fresh=True)
             if each:  # each chosen expert alone on its rows, the experts chosen from these (edited) logits
                 experts.record_expert_out(state, each, rows_in.pop(), edited, state.routing(module, root),
-                                          root.get_submodule(layout.router.rpartition(".")[0]))
+                                          root.get_submodule(layout.router.rpartition(".")[0]),
+                                          layout.experts_norm and root.get_submodule(layout.experts_norm))
             if results:  # each head's share of what o_proj makes of this (edited) z
                 record(state, result, lambda: head_results(shards, edited, module))
             full[point] = edited
