@@ -4,7 +4,7 @@
 import torch
 from torch import Tensor
 
-from interp_engine.backends.vllm import compat, wire
+from interp_engine.backends.vllm import compat, compat_modules, wire
 from interp_engine.errors import fix
 
 
@@ -34,7 +34,7 @@ def head_results(shards, z: Tensor, o_proj) -> Tensor:
     """attn_result, [rows, n_heads, d_model]: each head's z (gathered, after any edit at z) times its rows of W_O,
     o_proj's bias left out, as on eager. o_proj is row-parallel: this rank's weight columns are its own heads'
     rows of W_O, so each rank multiplies its heads and the products are gathered (no weight crosses ranks)."""
-    if (method := compat.quantized(o_proj)) is not None:
+    if (method := compat_modules.quantized(o_proj)) is not None:
         raise Unserved(fix(f"attn_result is z times o_proj's plain weight, and this engine's is quantized ({method}).",
                            "read z and attn_out here, or load the checkpoint without quantization= to read "
                            "attn_result."))

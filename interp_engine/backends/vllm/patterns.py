@@ -5,7 +5,7 @@ import torch
 from torch import Tensor
 
 from interp_engine.addresses import Address
-from interp_engine.backends.vllm import compat
+from interp_engine.backends.vllm import compat, compat_modules
 from interp_engine.backends.vllm.wire import recording_failed
 from interp_engine.taps import PATTERNS
 
@@ -20,10 +20,10 @@ def record_patterns(state, layer: int, q: Tensor, k: Tensor | None, attention, s
     patterns too."""
     scores_at, probs_at = Address("attn_scores", layer), Address("attn_probs", layer)
     shared = {a for s in sharers for a in (Address("attn_scores", s), Address("attn_probs", s))}
-    scale = compat.attention_scale(attention)
-    cap = compat.attention_soft_cap(attention)
-    window = compat.attention_window(attention)
-    sinks = compat.attention_sinks(attention)
+    scale = compat_modules.attention_scale(attention)
+    cap = compat_modules.attention_soft_cap(attention)
+    window = compat_modules.attention_window(attention)
+    sinks = compat_modules.attention_sinks(attention)
     if sinks is not None and sinks.shape[0] != q.shape[1]:
         # This rank's heads' sinks, q gathered over every head: gather them too, here and not per call, so that
         # every rank (each calls this at the same layers: the schedule is broadcast) runs the collective alike.

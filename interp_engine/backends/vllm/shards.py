@@ -14,7 +14,7 @@ import copy
 from torch import Tensor
 
 from interp_engine.arch.layers import config_value
-from interp_engine.backends.vllm import compat
+from interp_engine.backends.vllm import compat, compat_modules
 
 # How each point is sharded under tensor parallelism (points not listed are replicated).
 HEADS, KV_HEADS, NEURONS, LIN_HEADS = "heads", "kv_heads", "neurons", "lin_v_heads"
@@ -34,10 +34,10 @@ class Shards:
         self.widths = {"router_logits": n_experts, "kv_latent": d_latent}
         self.size, self.rank = compat.tp_size(), compat.tp_rank()
         self.kv_total = config_value(config, "num_key_value_heads") or config.num_attention_heads
-        heads, kv_heads, self.d_head = compat.attention_heads(attention) if attention is not None else (0, 0, 0)
+        heads, kv_heads, self.d_head = compat_modules.attention_heads(attention) if attention is not None else (0, 0, 0)
         self.d_head_v = self.d_head
         if latent is not None:
-            heads, self.d_head, self.d_head_v = compat.latent_heads(latent)
+            heads, self.d_head, self.d_head_v = compat_modules.latent_heads(latent)
             kv_heads, self.kv_total = heads, config.num_attention_heads
         # A Gated DeltaNet's value heads split evenly over the ranks (vLLM's QwenGatedDeltaNetAttention).
         lin = (getattr(config, "linear_num_value_heads", 0) or 0) // self.size
@@ -51,7 +51,7 @@ class Shards:
         layer's Attention module, its total KV heads and its mlp_act features on this rank."""
         own = copy.copy(self)
         own.kv_total, own.replicas = kv_total, max(1, self.size // kv_total)
-        heads, kv_heads, own.d_head = compat.attention_heads(attention)
+        heads, kv_heads, own.d_head = compat_modules.attention_heads(attention)
         own.d_head_v = own.d_head
         own.local = {HEADS: heads, KV_HEADS: kv_heads, NEURONS: mlp_local}
         return own

@@ -25,7 +25,7 @@ from typing import Literal
 import torch
 
 from interp_engine.addresses import Address
-from interp_engine.backends.vllm import compat
+from interp_engine.backends.vllm import compat_modules
 from interp_engine.arch.discover import has_module
 
 EMBED, FINAL, LOGITS = Address("embed"), Address("final"), Address("logits")
@@ -135,7 +135,7 @@ def _from_hf(x: torch.Tensor) -> torch.Tensor:
 def _latent_unpack(mla, args, kwargs, out):
     q, latent, k_pe = args[:3]
     nope = q.shape[-1] - k_pe.shape[-1]
-    k_nope, v = compat.expand_latent(mla, latent)
+    k_nope, v = compat_modules.expand_latent(mla, latent)
     k = torch.cat((k_nope, _to_hf(k_pe).expand(-1, k_nope.shape[1], -1)), dim=-1)
     return torch.cat((q[..., :nope], _to_hf(q[..., nope:])), dim=-1), k, v
 

