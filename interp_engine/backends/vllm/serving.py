@@ -11,8 +11,9 @@ client's `generate` once per prompt; our wrapper of it tags each engine request 
 its prefix cache and skips reading it, and after the job's last request finishes collects the workers' records
 (`wire.COLLECT`); a job that only steers has nothing to collect, and its table leaves the workers with its last
 request (`InterpExtension._ie_finished`). A non-streaming response gets an `interp` field with the captures
-(`encode_captures`), a stream a last chunk holding that field (before `data: [DONE]`). An SAE in a spec reaches the workers once,
-before the first request that names it (`ie_put_saes`), and tables name it by digest (`sae_refs.py`), as offline.
+(`encode_captures`), a stream a last chunk holding that field (before `data: [DONE]`). An SAE in a spec reaches
+the workers once, before the first request that names it (`ie_put_saes`), and tables name it by digest
+(`sae_refs.py`), as offline.
 Nothing in a request is executed or unpickled: specs are JSON, tensors base64 bytes with dtype and shape.
 """
 
