@@ -77,8 +77,8 @@ class ResultArena:
 
     def written(self, slot: Slot) -> int:
         """The bytes a worker wrote into the slot (0: none, the result went to a file or COLLECT; or shut down)."""
-        whole = self._whole
-        return 0 if whole is None else results.extent(whole[slot.offset:slot.offset + slot.size])
+        mapped = self._map
+        return 0 if mapped is None else results.extent(memoryview(mapped)[slot.offset:slot.offset + slot.size])
 
     def hand_over(self, slot: Slot, nbytes: int) -> Tensor:
         """The slot's bytes as a uint8 tensor: every view of it holds the slot, which comes back when the last dies."""
