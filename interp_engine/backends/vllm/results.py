@@ -23,6 +23,8 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF1
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
+NUMPY = {torch.float64: np.float64, torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64,
+         torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8, torch.uint8: np.uint8, torch.bool: np.bool_}
 
 
 # ------------------------------------------------------------------------------------------- worker
@@ -56,10 +58,10 @@ def write(target, tensors: Mapping[str, Sequence[Tensor]], metadata: Mapping[str
     if isinstance(target, str):
         # Not truncated first: that would free the memory the driver may have reserved for it (`reserve`).
         with os.fdopen(os.open(target, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
-            _write(f, text, (b.numpy() for b in buffers))
+            _write(f, text, buffers)
             f.truncate()
     else:
-        _write(target, text, (b.numpy() for b in buffers))
+        _write(target, text, buffers)
 
 
 def write_slot(arena: str, offset: int, size: int, tensors: Mapping[str, Sequence[Tensor]],
@@ -79,7 +81,7 @@ def write_slot(arena: str, offset: int, size: int, tensors: Mapping[str, Sequenc
     whole[offset + 8:offset + 8 + len(text)] = np.frombuffer(text, dtype=np.uint8)
     at = offset + 8 + len(text)
     for chunk in buffers:
-        whole[at:at + len(chunk)] = chunk.numpy()
+        whole[at:at + len(chunk)] = chunk
         at += len(chunk)
     whole[offset:offset + 8] = np.frombuffer(len(text).to_bytes(8, "little"), dtype=np.uint8)
     return True
@@ -112,8 +114,16 @@ def _layout(tensors: Mapping[str, Sequence[Tensor]], metadata: Mapping[str, str]
         start += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    buffers = [c.contiguous().view(torch.uint8).reshape(-1) for n in names for c in tensors[n] if c.numel()]
+    buffers = [_bytes_of(c) for n in names for c in tensors[n] if c.numel()]
     return text, buffers, len(text) + start
+
+
+def _bytes_of(chunk: Tensor) -> np.ndarray:
+    """A host chunk's bytes, flat, without a copy where it is contiguous (numpy's views: torch's are a few
+    microseconds each, and a call's result has a chunk per key and step)."""
+    if chunk.dtype in NUMPY:
+        return chunk.detach().numpy().reshape(-1).view(np.uint8)
+    return chunk.contiguous().view(torch.uint8).reshape(-1).numpy()  # a dtype numpy lacks
 
 
 def _write(f, text: bytes, buffers: Iterable) -> None:
@@ -169,17 +179,22 @@ def read(source: str | bytes | Tensor) -> tuple[dict[str, Tensor], dict[str, str
         buffer = torch.frombuffer(bytearray(source), dtype=torch.uint8) if source else torch.empty(0, dtype=torch.uint8)
     if len(buffer) < 8:
         raise ValueError("not a safetensors buffer: shorter than its header's length")
-    n = int.from_bytes(buffer[:8].numpy().tobytes(), "little")
-    header = json.loads(buffer[8:8 + n].numpy().tobytes())
+    # Sliced in numpy (a view of the same memory, holding the buffer): torch's slicing and views are a few
+    # microseconds each, three per tensor, and a small call reads ten tensors or more.
+    whole = buffer.numpy()
+    n = int.from_bytes(whole[:8].tobytes(), "little")
+    header = json.loads(whole[8:8 + n].tobytes())
     metadata = header.pop("__metadata__", None) or {}
     base, out = 8 + n, {}
     for name, entry in header.items():
         dtype = DTYPES[entry["dtype"]]
         start, end = (base + o for o in entry["data_offsets"])
-        raw = buffer[start:end]
         if start % dtype.itemsize:  # not aligned for a view (not a layout `write` makes): copied
-            raw = raw.clone()
-        out[name] = raw.view(dtype).view(entry["shape"])
+            out[name] = buffer[start:end].clone().view(dtype).view(entry["shape"])
+        elif (kind := NUMPY.get(dtype)) is not None:
+            out[name] = torch.from_numpy(whole[start:end].view(kind).reshape(entry["shape"]))
+        else:  # a dtype numpy lacks (bfloat16, float8)
+            out[name] = buffer[start:end].view(dtype).view(entry["shape"])
     return out, metadata
 
 
