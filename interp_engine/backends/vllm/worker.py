@@ -4,10 +4,10 @@ A call's hook table (plain data, `wire.table`) travels in its first request's ta
 forward the worker adopts the tables of the step's requests, so installing costs no round trip. A prefill call
 is handed back when every prompt's last position has run: rank 0 writes its records to the file the driver
 named, and the call is removed, before the step's outputs reach the driver. Generation, and a driver on another
-host, collect with `wire.COLLECT`. Hooks act only while a call needing them is installed (`hook_sets.py`). Each step, the rows of
-the flattened batch are mapped back to (call, prompt, position) from the model runner, and every call's ops run
-on its own rows only, through the same `edits.apply` the eager backend uses. The hooks are built from the site
-table (`sites.py`), gathering tensor-parallel shards before editing (`shards.py`).
+host, collect with `wire.COLLECT`. Hooks act only while a call needing them is installed (`hook_sets.py`). Each
+step, the rows of the flattened batch are mapped back to (call, prompt, position) from the model runner, and
+every call's ops run on its own rows only, through the same `edits.apply` the eager backend uses. The hooks are
+built from the site table (`sites.py`), gathering tensor-parallel shards before editing (`shards.py`).
 """
 
 import torch
@@ -192,6 +192,9 @@ class StepState:
             if not call.wants(address):
                 continue
             whole = active.whole
+            if whole and address not in call.ops:  # the usual read: the step's rows as they are, nothing to edit
+                self.keep(active, address, x, copied=fresh and x is given)
+                continue
             mine = x[None] if whole else x.index_select(0, active.rows)[None]
             edited = self.edit(active, address, mine)
             # One copy per read: index_select already made one, unless these rows are the whole step.
