@@ -179,22 +179,17 @@ def read(source: str | bytes | Tensor) -> tuple[dict[str, Tensor], dict[str, str
         buffer = torch.frombuffer(bytearray(source), dtype=torch.uint8) if source else torch.empty(0, dtype=torch.uint8)
     if len(buffer) < 8:
         raise ValueError("not a safetensors buffer: shorter than its header's length")
-    # Sliced in numpy (a view of the same memory, holding the buffer): torch's slicing and views are a few
-    # microseconds each, three per tensor, and a small call reads ten tensors or more.
-    whole = buffer.numpy()
-    n = int.from_bytes(whole[:8].tobytes(), "little")
-    header = json.loads(whole[8:8 + n].tobytes())
+    n = int.from_bytes(buffer[:8].numpy().tobytes(), "little")
+    header = json.loads(buffer[8:8 + n].numpy().tobytes())
     metadata = header.pop("__metadata__", None) or {}
     base, out = 8 + n, {}
     for name, entry in header.items():
         dtype = DTYPES[entry["dtype"]]
         start, end = (base + o for o in entry["data_offsets"])
+        raw = buffer[start:end]
         if start % dtype.itemsize:  # not aligned for a view (not a layout `write` makes): copied
-            out[name] = buffer[start:end].clone().view(dtype).view(entry["shape"])
-        elif (kind := NUMPY.get(dtype)) is not None:
-            out[name] = torch.from_numpy(whole[start:end].view(kind).reshape(entry["shape"]))
-        else:  # a dtype numpy lacks (bfloat16, float8)
-            out[name] = buffer[start:end].view(dtype).view(entry["shape"])
+            raw = raw.clone()
+        out[name] = raw.view(dtype).view(entry["shape"])
     return out, metadata
 
 
