@@ -4,6 +4,7 @@ No torch import here: addresses are plain data that travel to workers and into J
 """
 
 import difflib
+import functools
 import re
 from dataclasses import dataclass
 
@@ -119,6 +120,10 @@ class Address:
         if not isinstance(text, str):
             raise PointError(fix(f"cannot read an address from {type(text).__name__} {text!r}.",
                                  'pass a string like "resid_post.10" or an Address.'))
+        return _parsed(cls, text) if len(text) <= 64 else cls._read(text)
+
+    @classmethod
+    def _read(cls, text: str) -> "Address":
         if is_tl_name(text.strip()):
             return cls(*_from_tl(text.strip()))
         name, dot, layer = text.strip().rpartition(".")
@@ -252,3 +257,10 @@ def _from_tl(text: str) -> tuple[str, int | None]:
                                      n=1, cutoff=0.0)[0]
     raise PointError(fix(f"{text!r} is not a TransformerLens hook name that maps to a point here.",
                          f"did you mean {near!r} ({Address.parse(near)})? Our points: {', '.join(POINTS)}."))
+
+
+@functools.lru_cache(maxsize=4096)
+def _parsed(cls, text: str) -> "Address":
+    """Addresses are immutable, and tables name the same few points call after call (a vLLM worker reads each
+    table's): read each text once."""
+    return cls._read(text)

@@ -256,3 +256,29 @@ def test_a_table_the_workers_refuse_gets_the_library_error(engine):
     assert "the vLLM workers refused this call's table" in str(job.error) and "resid_post.1" in str(job.error)
     assert torch.equal(capture(engine, OTHER, ["resid_post.2"], progress=False)["resid_post.2"], solo)
     assert engine.runtime.is_alive() and engine.runtime.worker_status()[0]["calls"] == 0
+
+
+@requires("vllm")
+def test_hook_sets_left_registered_act_only_for_calls_that_need_them(engine):
+    """A `vllm` worker keeps a set of points' hooks registered after its calls end, dormant (`hook_sets.py`): a
+    later call of the same points without the edits, a plain generation, and the calls after one that failed
+    midway see nothing of the steered call, and the workers report no call and no armed hook after each."""
+    solo = capture(engine, OTHER, ["resid_post.2"], progress=False)["resid_post.2"]
+    solo_tokens = generate(engine, OTHER, max_new_tokens=4, stop_at_eos=False, progress=False).tokens
+    push = S.Add("resid_post.0", torch.full((engine.d_model,), 3.0))
+    steered = capture(engine, OTHER, ["resid_post.2"], push, progress=False)["resid_post.2"]
+    assert not torch.allclose(steered, solo)
+    # The same set of points (resid_post.0 and .2) armed again, by a call that only reads: no edit of the last.
+    assert torch.equal(capture(engine, OTHER, ["resid_post.0", "resid_post.2"], progress=False)["resid_post.2"], solo)
+    assert generate(engine, OTHER, max_new_tokens=4, stop_at_eos=False, progress=False).tokens == solo_tokens
+    _library_error(lambda: engine.runtime.forward(_prompts(engine, PROMPT), _bad_plan(), batch_size=1,
+                                                  want_logits=False, progress=False))
+    assert engine.runtime.worker_status() == [{"calls": 0, "hooks": 0}] or engine.backend == "vllm-static"
+    assert torch.equal(capture(engine, OTHER, ["resid_post.2"], progress=False)["resid_post.2"], solo)
+    assert generate(engine, OTHER, max_new_tokens=4, stop_at_eos=False, progress=False).tokens == solo_tokens
+    assert torch.equal(capture(engine, OTHER, ["resid_post.2"], push, progress=False)["resid_post.2"], steered)
+    if engine.backend == "vllm":  # another set hooking resid_post.0 too: one Add, not one per registered set
+        both = capture(engine, OTHER, ["resid_post.1", "resid_post.2"], push, progress=False)["resid_post.2"]
+        assert torch.equal(both, steered)
+    [status] = engine.runtime.worker_status()
+    assert status["calls"] == 0 and status["hooks"] == 0, status

@@ -89,7 +89,7 @@ def test_results_come_through_the_arena_and_a_held_result_is_never_overwritten(s
     # One prompt a call: its rows are handed over as they are (a ragged batch's are padded, a copy, and its slot
     # is free again at once).
     capture(model, PROMPTS[:1], points)  # a first call of its kind: now its size is known
-    whole = model.runtime._life.arena._whole
+    whole = torch.frombuffer(model.runtime._life.arena._map, dtype=torch.uint8)
     inside = lambda t: whole.data_ptr() <= t.untyped_storage().data_ptr() < whole.data_ptr() + len(whole)
     held = capture(model, PROMPTS[:1], points)
     assert inside(held["resid_post.1"])

@@ -52,7 +52,6 @@ class ResultArena:
         self.size = arena_bytes()  # read at engine start: a bad value refused, with the fix
         self.path = ""
         self._map: mmap.mmap | None = None
-        self._whole: Tensor | None = None
         self._free: list[tuple[int, int]] = [(0, self.size)]  # (offset, size), in offset order, coalesced
         self._lock = threading.Lock()
         # Slots whose results died: appended by finalizers (any thread, even inside take's own allocations),
@@ -70,7 +69,7 @@ class ResultArena:
             for i, (offset, free) in enumerate(self._free):
                 if free >= size:
                     self._free[i:i + 1] = [(offset + size, free - size)] if free > size else []
-                    self._whole[offset:offset + 8].zero_()
+                    self._map[offset:offset + 8] = bytes(8)
                     return Slot(offset, size)
         return None
 
@@ -82,8 +81,8 @@ class ResultArena:
 
     def written(self, slot: Slot) -> int:
         """The bytes a worker wrote into the slot (0: none, the result went to a file or COLLECT; or shut down)."""
-        whole = self._whole
-        return 0 if whole is None else results.extent(whole[slot.offset:slot.offset + slot.size])
+        mapped = self._map
+        return 0 if mapped is None else results.extent(memoryview(mapped)[slot.offset:slot.offset + slot.size])
 
     def hand_over(self, slot: Slot, nbytes: int) -> Tensor:
         """The slot's bytes as a uint8 tensor: every view of it holds the slot, which comes back when the last dies."""
@@ -99,7 +98,7 @@ class ResultArena:
         """At shutdown: no more slots; the file goes (results held keep their pages through their mapping)."""
         with self._lock:
             self.closed = True
-            path, self.path, self._map, self._whole = self.path, "", None, None  # unmapped once nothing views it
+            path, self.path, self._map = self.path, "", None  # unmapped once nothing views it
         if path:
             try:
                 os.unlink(path)
@@ -121,7 +120,7 @@ class ResultArena:
                 return False
             finally:
                 os.close(fd)
-            self.path, self._whole = path, torch.frombuffer(self._map, dtype=torch.uint8)
+            self.path = path
         return True
 
     def _reclaim(self) -> None:

@@ -1,6 +1,7 @@
 """The engine's processes and environment, seen from the driver: liveness, reaping, scoped variables, and
 Ctrl-C held back around what must not be cut in half."""
 
+import _signal
 import contextlib
 import os
 import signal
@@ -102,7 +103,9 @@ def deferred_interrupt():
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    handler = signal.getsignal(signal.SIGINT)
+    # _signal's own functions: signal's wrappers convert every handler to and from an enum, and a small call
+    # passes here once per message and step (~20 times at 8 prompts).
+    handler = _signal.getsignal(signal.SIGINT)
     if not callable(handler) or getattr(handler, "deferring", False):
         yield
         return
@@ -112,10 +115,10 @@ def deferred_interrupt():
         caught.append(frame)
 
     record.deferring = True
-    signal.signal(signal.SIGINT, record)
+    _signal.signal(signal.SIGINT, record)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, handler)
+        _signal.signal(signal.SIGINT, handler)
         if caught:
             handler(signal.SIGINT, caught[-1])

@@ -20,6 +20,7 @@ import tempfile
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -265,16 +266,16 @@ def assemble(flat: dict[str, Tensor], reads: list[Address], lengths: tuple[int, 
 
     With `offsets`, row `offsets[i] + j` of prompt i lands at column j (generated positions)."""
     width = max(max(lengths), 1)
-    starts = torch.tensor((0, *lengths)).cumsum(0)
+    starts = np.cumsum((0, *lengths))
     in_order: dict[int, bool] = {}  # per index (keys share one, see `decode`): checked once, not per address
     out = {}
     for address in reads:
         prompt, pos, value = rows(flat, address, lens=lens)
         patterns = address.info.pos_axis == 2 and not lens
         if offsets is None and not patterns:
-            if (whole := in_order.get(id(pos))) is None:
-                whole = in_order[id(pos)] = len(pos) == int(starts[-1]) and \
-                    torch.equal(starts[prompt] + pos, torch.arange(len(pos)))
+            if (whole := in_order.get(id(pos))) is None:  # in numpy: a handful of torch ops cost ~40 us
+                whole = in_order[id(pos)] = len(pos) == sum(lengths) and bool(
+                    (starts[prompt.numpy()] + pos.numpy() == np.arange(len(pos))).all())
             if whole:
                 # Each prompt's rows once, in order (the usual case): a view, or one copy per prompt where ragged.
                 # The index_put below is a parallel op in the driver; on a busy machine its threads stall the call.

