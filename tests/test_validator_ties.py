@@ -38,6 +38,17 @@ def test_a_choice_made_otherwise_at_a_wide_margin_fails_and_padding_is_ignored()
     assert len(T.experts(earlier, ref, K, [4, 4], MARGIN).wide) == 1
 
 
+def test_expert_out_counts_the_chosen_experts_order_which_other_points_do_not():
+    ref, ours = _logits(), _logits()
+    ref[0, 0, 1, 1] = 2.95  # eager: expert 0 over expert 1 by 0.05, both chosen
+    ours[0, 0, 1, 1] = 3.05  # the backend orders them the other way: the same set
+    assert T.experts(ours, ref, K, [4, 4], MARGIN) == T.LeftOut()
+    out = T.experts(ours, ref, K, [4, 4], MARGIN, ordered=True)
+    assert out.cuts == ((0, 1),) and "in order, eager's margin 0.050" in out.notes[0]
+    ours[0, 0, 1, 1], ref[0, 0, 1, 1] = 3.5, 2.0  # swapped at eager's margin of 1.0: fails
+    assert T.experts(ours, ref, K, [4, 4], MARGIN, ordered=True).wide
+
+
 def test_greedy_tokens_are_compared_up_to_a_near_tied_first_difference():
     ref = torch.tensor([[5, 6, 7], [5, 6, 7]])
     margins = torch.tensor([[1.0, 0.1, 1.0], [1.0, 1.0, 1.0]])
