@@ -310,6 +310,13 @@ def all_gather(x, dim: int):
     return tensor_model_parallel_all_gather(x.contiguous(), dim=dim)
 
 
+def all_reduce(x):
+    """The sum of `x` over the tensor-parallel ranks."""
+    from vllm.distributed import tensor_model_parallel_all_reduce
+
+    return tensor_model_parallel_all_reduce(x.contiguous())
+
+
 def platform_worker(cuda: bool) -> Any:
     """The platform's worker class, which vllm-static subclasses."""
     if cuda:

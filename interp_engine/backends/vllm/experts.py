@@ -106,11 +106,7 @@ def expert_outputs(experts, x: Tensor, logits: Tensor, routing: tuple) -> Tensor
 
 def _sum_over_ranks(x: Tensor) -> Tensor:
     """Every rank's partial expert outputs, summed (a slice of each expert's intermediate dimension per rank)."""
-    if compat.tp_size() == 1:
-        return x
-    from vllm.distributed import tensor_model_parallel_all_reduce
-
-    return tensor_model_parallel_all_reduce(x.contiguous())
+    return x if compat.tp_size() == 1 else compat.all_reduce(x)
 
 
 def record_expert_out(state, address: Address, x: Tensor, logits: Tensor, routing: tuple, block,
