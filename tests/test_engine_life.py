@@ -239,6 +239,34 @@ def test_the_call_that_loads_the_engine_frees_its_result_once_dropped(idle_drive
     assert driver.first == ["first", "freed"], f"the first call's result outlived its caller{driver.errors()}"
 
 
+# `interp-engine serve` in a fresh process, refused by vLLM's own parser once vLLM is imported: the handle it
+# loaded must die with the call (vLLM's import once kept the calling frames, `handle` among their locals).
+SERVE_REFUSED = """
+import gc, sys, weakref
+from interp_engine import loading, serve
+loaded, load = [], loading.load_model
+def watched(*args, **kwargs):
+    handle = load(*args, **kwargs)
+    loaded.append(weakref.ref(handle))
+    return handle
+loading.load_model = watched
+try:
+    serve.main([sys.argv[1], "--no-such-vllm-flag"])
+except SystemExit:  # vLLM's parser refused the flag
+    pass
+gc.collect()
+print("imported" if "vllm.multimodal.media.audio" in sys.modules else "not-imported",
+      "held" if loaded[0]() is not None else "freed")
+"""
+
+
+@requires("vllm")
+def test_serve_frees_what_it_loaded_once_its_call_returns(tiny_path):
+    done = subprocess.run([sys.executable, "-c", SERVE_REFUSED, str(tiny_path("llama"))], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.stdout.split()[-2:] == ["imported", "freed"], done.stdout[-2000:] + done.stderr[-4000:]
+
+
 @requires("vllm")
 def test_the_engine_dies_with_its_driver_on_sigkill(idle_driver):
     driver, engine = idle_driver

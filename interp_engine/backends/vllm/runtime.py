@@ -97,7 +97,7 @@ class VllmRuntime(TokenizerRuntime):
 
     def _engine(self):
         compat.check_version()  # an unsupported vLLM is refused here, not deep in a worker
-        LLM = engine.llm_class()
+        LLM = engine.imported("vllm", "LLM")
         kwargs, env = engine.settings(self)
         self._sockets = env.get(engine.SOCKETS)
         try:

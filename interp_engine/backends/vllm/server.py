@@ -18,10 +18,6 @@ def engine_args(handle, vllm_argv: list[str]):
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    if handle.backend not in ("vllm", "vllm-static"):
-        raise BackendError(fix(f"interp-engine serve runs backend=\"vllm\" or \"vllm-static\", not "
-                               f"{handle.backend!r}.", "use --backend vllm (per-request specs and captures at any "
-                               "point), or vllm-static with --static-points/--static-writes."))
     parser = make_arg_parser(FlexibleArgumentParser(prog="interp-engine serve"))
     args = parser.parse_args(["--model", str(handle.runtime.source), *vllm_argv])
     kwargs, env = engine.settings(handle.runtime)
@@ -198,9 +194,15 @@ async def _send_json(send, status: int, payload: dict) -> None:
 def serve(handle, vllm_argv: list[str], service_options: dict) -> None:
     """Run the server in this process until it is told to stop."""
     import uvloop
-    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
 
+    if handle.backend not in ("vllm", "vllm-static"):  # refused before vLLM's import (seconds)
+        raise BackendError(fix(f"interp-engine serve runs backend=\"vllm\" or \"vllm-static\", not "
+                               f"{handle.backend!r}.", "use --backend vllm (per-request specs and captures at any "
+                               "point), or vllm-static with --static-points/--static-writes."))
     service = serving.Service(handle, **service_options)  # a bad --default-spec: refused before anything starts
+    # This process's first import of vLLM, as a load's (`engine.imported`): its frames, `handle` among their
+    # locals, are not kept by what vLLM's modules keep; the later imports find those modules loaded.
+    cli_env_setup = engine.imported("vllm.entrypoints.serve.utils.api_utils", "cli_env_setup")
     args, env = engine_args(handle, vllm_argv)
     cli_env_setup()
     os.environ.update(env)  # this process is the server's: its engine's processes inherit these
