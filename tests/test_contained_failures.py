@@ -197,10 +197,11 @@ def test_a_call_failing_in_the_workers_fails_alone(engine):
     assert not engine.runtime._slots, "the failed call's arena slot was not given back"
 
 
-def _served(engine, plan: Plan) -> tuple[list[int], "object"]:
+def _served(engine, plan: Plan, *, dropped: bool = False) -> tuple[list[int], "object"]:
     """A server's steering job (a table asking for its failure as it happens, `wire.table(failures=True)`) run on
-    this engine, then answered as `serving._answered` answers it, without COLLECT or RELEASE (the workers drop
-    the table themselves): its new tokens and the job."""
+    this engine, its file made as `serving._tabled` makes it, then answered as `serving._answered` answers it,
+    without COLLECT or RELEASE (the workers drop the table themselves): its new tokens and the job. `dropped`: a
+    client that hung up mid-step, the job answered (its file deleted) before the worker runs its ops."""
     import uuid
 
     from vllm import SamplingParams
@@ -209,19 +210,25 @@ def _served(engine, plan: Plan) -> tuple[list[int], "object"]:
     from interp_engine.backends.vllm import serving, wire
 
     runtime, call, spec = engine.runtime, uuid.uuid4().hex, plan.spec()
+    runtime._rpc(wire.ATTACH)  # as the server attaches at start (tests that ran before may not have)
     table = wire.table(call, spec.to_dict(), spec.fingerprint(), [], failures=True)
+    job = serving.Job(call, table, serving.Asked(plan))
+    wire.make_failure_file(table["path"])
+    if dropped:
+        serving._answered(serving.Holding(), job)
     ids = list(_prompts(engine, PROMPT).ids[0])
     [out] = runtime._run(call, [tokens_input(ids, cache_salt=call)], [SamplingParams(
         max_tokens=3, temperature=0.0, detokenize=False, ignore_eos=True, skip_reading_prefix_cache=True,
         extra_args=wire.tag(call, 0, len(ids), table))], progress=False)
-    job = serving.Job(call, table, serving.Asked(plan))
-    serving._answered(serving.Holding(), job)
-    assert not os.path.exists(wire.result_path(call)), "the server deletes the job's file"
+    if not dropped:
+        serving._answered(serving.Holding(), job)
+        assert not os.path.exists(wire.result_path(call)), "the server deletes the job's file"
     deadline = time.monotonic() + 30  # the workers drop the table at the scheduler's step after the request's last
     while runtime.worker_status()[0]["calls"] and time.monotonic() < deadline:
         time.sleep(0.05)
     [status] = runtime.worker_status()
     assert status["calls"] == 0 and status["hooks"] == 0, status
+    assert not os.path.exists(wire.result_path(call)), "a worker wrote the job's file after the server deleted it"
     return list(out.outputs[0].token_ids), job
 
 
@@ -241,6 +248,16 @@ def test_a_served_steering_job_failing_in_the_workers_is_answered_with_its_error
                                     progress=False).tokens[0]) for spec in (good, None))
     assert tokens == steered
     assert tokens != plain, "the vector must change the tokens: the test checked nothing"
+
+
+@requires("vllm")
+def test_a_steering_job_dropped_before_its_worker_fails_it_leaves_no_file(engine):
+    """A client hangs up while its job's step runs: the server answers the job and deletes its file, then the
+    worker fails the call. That order, made certain here: the failure goes nowhere, no file is left in
+    /dev/shm (its driver alive, no sweep would take it), and the engine serves on."""
+    _, job = _served(engine, Plan(_bad_plan().ops, ()), dropped=True)
+    assert job.error is None  # answered before the failure: the client is gone
+    assert engine.runtime.is_alive()
 
 
 @requires("vllm")

@@ -4,6 +4,7 @@ session's one server (`conftest.server`, `tests/servers.py`), stopped here by SI
 others that use it), then a second one of its own."""
 
 import concurrent.futures
+import glob
 import http.client
 import os
 import signal
@@ -15,6 +16,7 @@ import pytest
 
 from interp_engine import client
 from interp_engine import spec as S
+from interp_engine.backends.vllm import wire
 from tests.conftest import no_child_survives
 from tests.servers import (DEFAULT, KEY, PROMPTS, complete, generated_tokens, health, offline, post, served,
                            vector, worker_status)
@@ -39,13 +41,20 @@ def api2(second_server):
     return openai.OpenAI(base_url=second_server[1], api_key=KEY, max_retries=0, timeout=120)
 
 
+def _result_files(server) -> list[str]:
+    """The server's result files (`wire.result_path`, named by its pid: a steering job's, made before its first
+    request, deleted once answered)."""
+    return glob.glob(os.path.join(os.path.dirname(wire.result_path("x")), f"{wire.TAG}-{server[0].pid}-*"))
+
+
 def _left_nothing(server, connection: http.client.HTTPConnection) -> None:
-    """Close the hung-up connection; within 30 s the workers hold no call and no hook."""
+    """Close the hung-up connection; within 30 s the workers hold no call and no hook, and no file is left."""
     connection.close()
     deadline = time.monotonic() + 30
     while worker_status(server) != [{"calls": 0, "hooks": 0}] and time.monotonic() < deadline:
         time.sleep(0.2)
     assert worker_status(server) == [{"calls": 0, "hooks": 0}]
+    assert not _result_files(server)
     time.sleep(0.5)  # had the requests run on, they would have generated more by now
 
 
@@ -130,6 +139,7 @@ def test_steering_tables_leave_the_workers_with_their_last_request(server, api, 
 
 def test_nothing_outlives_a_request_and_sigterm_leaves_no_child_process(server):
     assert worker_status(server) == [{"calls": 0, "hooks": 0}]
+    assert not _result_files(server), "a job's file outlived it"
     process = server[0]
     children = psutil.Process(process.pid).children(recursive=True)
     assert children, "the server's engine runs in child processes"

@@ -1,8 +1,9 @@
 """A call as a worker holds it: its table (ops by point, reads, lens) and what was recorded for it.
 
 A steering call (`wire.table(..., failures=True)`, the server's jobs that capture nothing) is never collected: a
-failure, as it happens, is written by rank 0 to the call's file on the driver's host, before the step's outputs
-leave the worker, so the driver answers the moment its last request ends; the workers drop the table themselves
+failure, as it happens, is written by rank 0 into the call's file on the driver's host (made by the driver, never
+by a worker: `wire.make_failure_file`), before the step's outputs leave the worker, so the driver answers the
+moment its last request ends; the workers drop the table themselves
 once the scheduler says the last request carrying it has finished (`InterpExtension._ie_finished`).
 """
 
@@ -61,8 +62,8 @@ class WorkerCall:
         under tensor parallelism every rank must run the same gathers whether or not this rank failed."""
         if not self.error:
             self.error, self.error_in_spec = message, in_spec
-            if self.failures and self.path and compat.tp_rank() == 0:
-                wire.encode_failure(message, in_spec=in_spec, path=self.path)
+            if self.failures and self.path and compat.tp_rank() == 0:  # into its driver's file, if still there
+                wire.encode_failure(message, in_spec=in_spec, path=self.path, create=False)
         self.records.clear()
         self.keys.clear()
 
@@ -87,4 +88,4 @@ def refuse(table: dict, message: str) -> None:
     """A refused steering table's failure, where its driver looks (rank 0: every rank refuses alike)."""
     if isinstance(table, dict) and table.get("failures") is True and (path := local_path(table)) and \
             compat.tp_rank() == 0:
-        wire.encode_failure(message, in_spec=False, path=path)
+        wire.encode_failure(message, in_spec=False, path=path, create=False)

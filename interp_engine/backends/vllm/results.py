@@ -51,13 +51,21 @@ def to_host(values: Sequence[Tensor]) -> list[Tensor]:
     return out
 
 
-def write(target, tensors: Mapping[str, Sequence[Tensor]], metadata: Mapping[str, str] | None = None) -> None:
+def write(target, tensors: Mapping[str, Sequence[Tensor]], metadata: Mapping[str, str] | None = None, *,
+          create: bool = True) -> None:
     """A safetensors file at `target` (a path, or a binary file object), each tensor given as chunks along its
-    first axis (host tensors, each with the others' trailing shape and dtype) and written as they are."""
+    first axis (host tensors, each with the others' trailing shape and dtype) and written as they are.
+    `create=False`: only into a file that is there (its driver made it); none there, nothing is written."""
     text, buffers, _ = _layout(tensors, metadata)
     if isinstance(target, str):
+        try:
+            fd = os.open(target, os.O_WRONLY | (os.O_CREAT if create else 0), 0o600)
+        except FileNotFoundError:
+            if create:
+                raise
+            return
         # Not truncated first: that would free the memory the driver may have reserved for it (`reserve`).
-        with os.fdopen(os.open(target, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
+        with os.fdopen(fd, "wb") as f:
             _write(f, text, buffers)
             f.truncate()
     else:

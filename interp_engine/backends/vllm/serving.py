@@ -19,6 +19,7 @@ Nothing in a request is executed or unpickled: specs are JSON, tensors base64 by
 
 import asyncio
 import base64
+import contextlib
 import contextvars
 import copy
 import dataclasses
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 
 from interp_engine.addresses import Address
-from interp_engine.backends.vllm import sae_refs, wire
+from interp_engine.backends.vllm import results, sae_refs, wire
 from interp_engine.errors import InterpEngineError, SpecError, fix
 from interp_engine.func.lens import LensTop, lens_points, lens_result
 from interp_engine.positions import at_positions, position_index
@@ -221,6 +222,8 @@ async def _tabled(engine, plain, holding: Holding, job: Job, index: int, prompt,
     delta = sampling_params.output_kind == RequestOutputKind.DELTA
     new: list[int] = []
     try:
+        if job.table["failures"]:  # where a worker writes the job's failure, before any request of it runs
+            wire.make_failure_file(job.table["path"])
         if job.saes:  # the job's first prompt puts them; the others wait for it (a hang-up cancels no put)
             job.ready = job.ready or asyncio.ensure_future(_put(engine, holding, job))
             await asyncio.shield(job.ready)
@@ -280,12 +283,12 @@ def _answered(holding: Holding, job: Job) -> None:
     path = wire.result_path(job.call)
     holding.in_flight.discard(job.call)  # its requests have ended: its SAEs are not needed any more
     try:
-        if os.path.exists(path):
-            wire.decode(path)  # a failure file: raises the call's error
+        if results.written(path):  # made empty (`_tabled`): a worker failed the call
+            wire.decode(path)  # raises the call's error
     except InterpEngineError as e:
         job.error = e
     finally:
-        if os.path.exists(path):
+        with contextlib.suppress(FileNotFoundError):  # no worker writes it afterwards (`wire.make_failure_file`)
             os.unlink(path)
 
 

@@ -177,10 +177,19 @@ def encode(records: Mapping[str, list[tuple[Tensor, Tensor, Tensor]]], *, path: 
     return buffer.getvalue()
 
 
-def encode_failure(message: str, *, in_spec: bool, path: str) -> None:
+def encode_failure(message: str, *, in_spec: bool, path: str, create: bool = True) -> None:
     """Worker side: a handed-back call that failed (rank 0's view: every rank runs the same ops on the same
-    gathered rows) leaves its failure where its records would be, for `decode` to raise."""
-    results.write(path, {}, {ERROR: message, IN_SPEC: "1" if in_spec else ""})
+    gathered rows) leaves its failure where its records would be, for `decode` to raise. A steering call's
+    (`create=False`) only into the file its driver made (`make_failure_file`)."""
+    results.write(path, {}, {ERROR: message, IN_SPEC: "1" if in_spec else ""}, create=create)
+
+
+def make_failure_file(path: str) -> None:
+    """Driver side: a steering call's file (`table(failures=True)`), made empty before a request of the call
+    reaches the engine, deleted once the call is answered. Its workers write into it and never create it: a
+    request aborted mid-step (a client that hung up) can fail in a worker after its driver answered and deleted
+    the file, and that failure then goes nowhere, rather than into a file no one would delete."""
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
 
 
 def decode(answer: bytes | str | Tensor) -> dict[str, Tensor]:
