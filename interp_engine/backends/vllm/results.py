@@ -201,16 +201,17 @@ def read(source: str | bytes | Tensor) -> tuple[dict[str, Tensor], dict[str, str
     metadata = header.pop("__metadata__", None) or {}
     base, out = 8 + n, {}
     entries = sorted(header.items(), key=lambda e: e[1]["data_offsets"][0])
-    while entries:
+    i = 0
+    while i < len(entries):
         # A run: tensors back to back of one dtype and trailing shape (a call's addresses), viewed at once and
         # split, not three torch ops per tensor.
-        name, first = entries.pop(0)
-        run, end = [(name, first["shape"])], first["data_offsets"][1]
-        while first["shape"] and entries and entries[0][1]["dtype"] == first["dtype"] and \
-                entries[0][1]["shape"][1:] == first["shape"][1:] and entries[0][1]["data_offsets"][0] == end:
-            name, entry = entries.pop(0)
-            run.append((name, entry["shape"]))
-            end = entry["data_offsets"][1]
+        name, first = entries[i]
+        j, end = i + 1, first["data_offsets"][1]
+        while first["shape"] and j < len(entries) and entries[j][1]["dtype"] == first["dtype"] and \
+                entries[j][1]["shape"][1:] == first["shape"][1:] and entries[j][1]["data_offsets"][0] == end:
+            end = entries[j][1]["data_offsets"][1]
+            j += 1
+        run, i = entries[i:j], j
         dtype = DTYPES[first["dtype"]]
         start = base + first["data_offsets"][0]
         raw = buffer[start:base + end]
@@ -219,6 +220,6 @@ def read(source: str | bytes | Tensor) -> tuple[dict[str, Tensor], dict[str, str
         if len(run) == 1:
             out[name] = raw.view(dtype).view(first["shape"])
             continue
-        lengths = [shape[0] for _, shape in run]
+        lengths = [entry["shape"][0] for _, entry in run]
         out.update(zip((n for n, _ in run), raw.view(dtype).view(sum(lengths), *first["shape"][1:]).split(lengths)))
     return out, metadata
