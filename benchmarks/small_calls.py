@@ -12,6 +12,9 @@ more than twice plain's median (a second, slow mode shows there). Every (run, ba
 process per run, timing plain prefill only: each `vllm-static` row then also carries `over_default_engine`, its
 p50 over the default engine's plain p50 in the same run (two processes: not interleaved, so noisier).
 
+`--out` is written after every process, and each process's part (`OUT.BACKEND.RUN.json`) after every size, so a
+benchmark cut short (a timeout) keeps the cells it finished.
+
     python -m benchmarks.small_calls [--quick] [--runs 2] [--calls 200] [--sizes 1x16,8x16] [--out FILE]
     python -m benchmarks.small_calls --sizes 64x32,64x128 --calls 20 --backends vllm,vllm-static,vllm-generate
 """
@@ -104,12 +107,12 @@ def one_process(backend: str, quick: bool, calls: int, sizes: list[tuple[int, in
                     times[name].append((time.perf_counter() - start) * 1e3)
             for path in names[1:] or names:
                 rows.append({"backend": backend, "batch": batch, "seq": seq, "path": path, **summary(times, path)})
+            Path(out).write_text(json.dumps(rows))  # after every size: a run cut short keeps its finished cells
             print(f"{backend} {batch}x{seq}: " + ", ".join(
                 f"{n} p50 {statistics.median(t):.1f} p99 {percentile(t, 0.99):.1f} ms" for n, t in times.items()),
                 flush=True)
     finally:
         asyncio.run(model.shutdown())
-    Path(out).write_text(json.dumps(rows))
 
 
 def against_default_engine(rows: list[dict]) -> None:
@@ -138,25 +141,36 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     model_folder(args.quick)  # built once, before the runs
-    results = []
+    results, failed = [], []
+
+    def save() -> None:  # after every process: a benchmark stopped (a timeout) keeps every cell it finished
+        against_default_engine(results)
+        out.write_text(json.dumps({"model": str(model_folder(args.quick)), "calls": calls, "runs": runs,
+                                   "busy_at_end": B.busy_fraction(), "env": B.env_info(), "rows": results,
+                                   **({"failed": failed} if failed else {})}, indent=1))
+
     for run in range(runs):
         for backend in args.backends.split(","):
             part = out.with_suffix(f".{backend}.{run}.json")
+            part.unlink(missing_ok=True)
             cmd = [sys.executable, "-m", "benchmarks.small_calls", "--calls", str(calls), "--sizes",
                    ",".join(f"{b}x{s}" for b, s in sizes), *(["--quick"] if args.quick else []),
                    "--child", backend, str(part)]
-            subprocess.run(cmd, cwd=ROOT, check=True)
-            results += [{**row, "run": run} for row in json.loads(part.read_text())]
-            part.unlink()
-    against_default_engine(results)
-    out.write_text(json.dumps({"model": str(model_folder(args.quick)), "calls": calls, "runs": runs,
-                               "busy_at_end": B.busy_fraction(), "env": B.env_info(), "rows": results}, indent=1))
+            code = subprocess.run(cmd, cwd=ROOT).returncode
+            if code:
+                failed.append(f"run {run} {backend}: exit {code}")
+            if part.exists():  # a failed process's finished sizes count too
+                results += [{**row, "run": run} for row in json.loads(part.read_text())]
+                part.unlink()
+            save()
     for row in results:
         print(f"run {row['run']} {row['backend']:12} {row['batch']}x{row['seq']:<4} {row['path']:24} "
               f"p50 {row['p50_ms']:6.1f} (plain {row['plain_p50_ms']:6.1f})  p99 {row['p99_ms']:6.1f} "
               f"(plain {row['plain_p99_ms']:6.1f})  overhead {row['overhead_ms']:+6.1f} ms  ratio {row['ratio']:.2f}  "
               f"slow {row['slow_calls']}/{row['calls']} (plain {row['plain_slow_calls']})"
               + (f"  over default engine {row['over_default_engine']:.3f}" if "over_default_engine" in row else ""))
+    if failed:
+        sys.exit(f"incomplete: {'; '.join(failed)} (the finished cells are in {out})")
 
 
 if __name__ == "__main__":

@@ -15,10 +15,14 @@ from tests.skips import requires
 
 
 def _records(seed: int, rows: int = 12, width: int = 8):
+    """Keys recorded at the same rows over two steps, as a call's addresses are: two of one dtype (written and
+    read as one run), one of another."""
     g = torch.Generator().manual_seed(seed)
-    prompts, positions = torch.arange(rows) // 4, torch.arange(rows) % 4
-    return {"resid_post.1": [(prompts, positions, torch.randn(rows, width, generator=g))],
-            "resid_post.2": [(prompts, positions, torch.randn(rows, width, generator=g).bfloat16())]}
+    prompts, positions, cut = torch.arange(rows) // 4, torch.arange(rows) % 4, rows // 3
+    steps = [(prompts[:cut], positions[:cut]), (prompts[cut:], positions[cut:])]
+    return {"resid_post.1": [(*s, torch.randn(len(s[0]), width, generator=g)) for s in steps],
+            "resid_post.2": [(*s, torch.randn(len(s[0]), width, generator=g).bfloat16()) for s in steps],
+            "resid_post.3": [(*s, torch.randn(len(s[0]), width, generator=g)) for s in steps]}
 
 
 def _handed_back(arena: ResultArena, records, call: str):
@@ -35,8 +39,11 @@ def _handed_back(arena: ResultArena, records, call: str):
 
 
 def _equal(flat, records) -> bool:
-    reference = wire.decode(wire.encode(records))  # bytes: no arena, no file
-    return flat.keys() == reference.keys() and all(torch.equal(flat[k], v) for k, v in reference.items())
+    """The slot's result is every key's chunks joined (each key keeps its own index, shared or not)."""
+    reference = {f"{key}|{part}": torch.cat([c[i] for c in chunks])
+                 for key, chunks in records.items() for i, part in enumerate(("prompt", "pos", "value"))}
+    return flat.keys() == reference.keys() and all(
+        torch.equal(flat[k], v) and flat[k].dtype == v.dtype for k, v in reference.items())
 
 
 def test_a_slot_is_reused_only_after_its_result_is_dropped_and_never_under_a_held_result():

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from interp_engine.backends.vllm import results, wire
+from interp_engine.backends.vllm import wire
 from interp_engine.errors import env_bytes
 
 ARENA_ENV, ARENA_BYTES = "INTERP_ENGINE_ARENA_BYTES", 64 << 20  # address space; pages as used
@@ -82,11 +82,13 @@ class ResultArena:
     def written(self, slot: Slot) -> int:
         """The bytes a worker wrote into the slot (0: none, the result went to a file or COLLECT; or shut down)."""
         mapped = self._map
-        return 0 if mapped is None else results.extent(memoryview(mapped)[slot.offset:slot.offset + slot.size])
+        # The length before the safetensors bytes, written last (`results.write_slot`).
+        n = 0 if mapped is None else int.from_bytes(mapped[slot.offset:slot.offset + 8], "little")
+        return n if n <= slot.size - 8 else 0
 
     def hand_over(self, slot: Slot, nbytes: int) -> Tensor:
         """The slot's bytes as a uint8 tensor: every view of it holds the slot, which comes back when the last dies."""
-        view = memoryview(self._map)[slot.offset:slot.offset + nbytes]  # after `written`: not closed meanwhile
+        view = memoryview(self._map)[slot.offset + 8:slot.offset + 8 + nbytes]  # after `written`: not closed meanwhile
         weakref.finalize(view, self._returned.append, slot)
         return torch.frombuffer(view, dtype=torch.uint8)
 

@@ -25,6 +25,7 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF1
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
 NUMPY = {torch.float64: np.float64, torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64,
          torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8, torch.uint8: np.uint8, torch.bool: np.bool_}
+WIDTHS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}  # bytes -> a dtype numpy has
 
 
 # ------------------------------------------------------------------------------------------- worker
@@ -56,7 +57,8 @@ def write(target, tensors: Mapping[str, Sequence[Tensor]], metadata: Mapping[str
     """A safetensors file at `target` (a path, or a binary file object), each tensor given as chunks along its
     first axis (host tensors, each with the others' trailing shape and dtype) and written as they are.
     `create=False`: only into a file that is there (its driver made it); none there, nothing is written."""
-    text, buffers, _ = _layout(tensors, metadata)
+    text, entries, _ = _layout(tensors, metadata)
+    buffers = [_array(c).reshape(-1).view(np.uint8) for chunks in entries for c in chunks]
     if isinstance(target, str):
         try:
             fd = os.open(target, os.O_WRONLY | (os.O_CREAT if create else 0), 0o600)
@@ -75,24 +77,41 @@ def write(target, tensors: Mapping[str, Sequence[Tensor]], metadata: Mapping[str
 def write_slot(arena: str, offset: int, size: int, tensors: Mapping[str, Sequence[Tensor]],
                metadata: Mapping[str, str] | None = None) -> bool:
     """The same safetensors bytes into a slot of the driver's result arena (`arena.py`: a shared file this
-    process maps once, its pages reused call after call); False, nothing written, if they do not fit. The
-    length that starts them goes last: a slot reads as written only once whole."""
-    text, buffers, total = _layout(tensors, metadata)
+    process maps once, its pages reused call after call), after 8 bytes of their length; False, nothing written,
+    if they do not fit. That length goes last: a slot reads as written only once whole, and the driver learns
+    the extent without reading the header."""
+    text, entries, total = _layout(tensors, metadata)
     try:
         whole = _mapped(arena)
     except (OSError, ValueError):  # the driver's arena is gone (a shutdown): the call's file still takes them
         return False
-    if 8 + total > size or offset + size > len(whole):
+    if 16 + total > size or offset + size > len(whole):
         return False
-    # numpy's copies: a torch copy_ of this size is a parallel op, which on a busy machine waits for a thread
-    # that is not scheduled (8 addresses x 128 rows took 10-18 ms here on 2 loaded cores, numpy's ~0.2 ms).
-    whole[offset + 8:offset + 8 + len(text)] = np.frombuffer(text, dtype=np.uint8)
-    at = offset + 8 + len(text)
-    for chunk in buffers:
-        whole[at:at + len(chunk)] = chunk
-        at += len(chunk)
-    whole[offset:offset + 8] = np.frombuffer(len(text).to_bytes(8, "little"), dtype=np.uint8)
+    at = offset + 8
+    whole[at:at + 8] = np.frombuffer(len(text).to_bytes(8, "little"), dtype=np.uint8)
+    whole[at + 8:at + 8 + len(text)] = np.frombuffer(text, dtype=np.uint8)
+    at += 8 + len(text)
+    # numpy's copies: a torch copy of this size is a parallel op, which on a busy machine waits for a thread that
+    # is not scheduled (8 addresses x 128 rows took 10-18 ms here on 2 loaded cores, numpy's ~0.2 ms). One
+    # concatenate per run of chunks of one element type (a result's indices, then its values), not one per chunk.
+    for run in _runs(entries):
+        nbytes = sum(a.nbytes for a in run)
+        np.concatenate(run, out=whole[at:at + nbytes].view(run[0].dtype))
+        at += nbytes
+    whole[offset:offset + 8] = np.frombuffer((8 + total).to_bytes(8, "little"), dtype=np.uint8)
     return True
+
+
+def _runs(entries: Sequence[Sequence[Tensor]]) -> list[list[np.ndarray]]:
+    """The chunks in file order, flat numpy arrays (views where contiguous), in runs of one element type."""
+    runs: list[list[np.ndarray]] = []
+    for chunk in (c for chunks in entries for c in chunks):
+        flat = _array(chunk).reshape(-1)
+        if runs and runs[-1][0].dtype == flat.dtype:
+            runs[-1].append(flat)
+        else:
+            runs.append([flat])
+    return runs
 
 
 @functools.cache
@@ -108,7 +127,7 @@ def _mapped(arena: str) -> np.ndarray:
 
 
 def _layout(tensors: Mapping[str, Sequence[Tensor]], metadata: Mapping[str, str] | None):
-    """(header bytes, the chunks' bytes in file order as uint8 tensors, bytes after the length)."""
+    """(header bytes, each tensor's non-empty chunks in file order, bytes after the length)."""
     # Largest elements first (as safetensors does): every tensor starts aligned for a view of its dtype.
     names = sorted(tensors, key=lambda n: -tensors[n][0].element_size())
     header: dict = {"__metadata__": dict(metadata)} if metadata else {}
@@ -122,16 +141,14 @@ def _layout(tensors: Mapping[str, Sequence[Tensor]], metadata: Mapping[str, str]
         start += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    buffers = [_bytes_of(c) for n in names for c in tensors[n] if c.numel()]
-    return text, buffers, len(text) + start
+    return text, [[c for c in tensors[n] if c.numel()] for n in names], len(text) + start
 
 
-def _bytes_of(chunk: Tensor) -> np.ndarray:
-    """A host chunk's bytes, flat, without a copy where it is contiguous (numpy's views: torch's are a few
-    microseconds each, and a call's result has a chunk per key and step)."""
-    if chunk.dtype in NUMPY:
-        return chunk.detach().numpy().reshape(-1).view(np.uint8)
-    return chunk.contiguous().view(torch.uint8).reshape(-1).numpy()  # a dtype numpy lacks
+def _array(chunk: Tensor) -> np.ndarray:
+    """A host chunk as a numpy array without a copy (torch's views cost a few microseconds each, and a call's
+    result has a chunk per key and step); a dtype numpy lacks as the integers of its width."""
+    chunk = chunk.detach()
+    return chunk.numpy() if chunk.dtype in NUMPY else chunk.view(WIDTHS[chunk.element_size()]).numpy()
 
 
 def _write(f, text: bytes, buffers: Iterable) -> None:
@@ -191,21 +208,26 @@ def read(source: str | bytes | Tensor) -> tuple[dict[str, Tensor], dict[str, str
     header = json.loads(buffer[8:8 + n].numpy().tobytes())
     metadata = header.pop("__metadata__", None) or {}
     base, out = 8 + n, {}
-    for name, entry in header.items():
-        dtype = DTYPES[entry["dtype"]]
-        start, end = (base + o for o in entry["data_offsets"])
-        raw = buffer[start:end]
+    entries = sorted(header.items(), key=lambda e: e[1]["data_offsets"][0])
+    i = 0
+    while i < len(entries):
+        # A run: tensors back to back of one dtype and trailing shape (a call's addresses), viewed at once and
+        # split, not three torch ops per tensor.
+        name, first = entries[i]
+        j, end = i + 1, first["data_offsets"][1]
+        while first["shape"] and j < len(entries) and entries[j][1]["dtype"] == first["dtype"] and \
+                entries[j][1]["shape"][1:] == first["shape"][1:] and entries[j][1]["data_offsets"][0] == end:
+            end = entries[j][1]["data_offsets"][1]
+            j += 1
+        run, i = entries[i:j], j
+        dtype = DTYPES[first["dtype"]]
+        start = base + first["data_offsets"][0]
+        raw = buffer[start:base + end]
         if start % dtype.itemsize:  # not aligned for a view (not a layout `write` makes): copied
             raw = raw.clone()
-        out[name] = raw.view(dtype).view(entry["shape"])
+        if len(run) == 1:
+            out[name] = raw.view(dtype).view(first["shape"])
+            continue
+        lengths = [entry["shape"][0] for _, entry in run]
+        out.update(zip((n for n, _ in run), raw.view(dtype).view(sum(lengths), *first["shape"][1:]).split(lengths)))
     return out, metadata
-
-
-def extent(buffer: memoryview) -> int:
-    """How many bytes of `buffer` the safetensors bytes at its start take; 0 if none are there."""
-    n = int.from_bytes(buffer[:8], "little") if len(buffer) >= 8 else 0
-    if not n or 8 + n > len(buffer):
-        return 0
-    header = json.loads(bytes(buffer[8:8 + n]))
-    header.pop("__metadata__", None)
-    return 8 + n + max((e["data_offsets"][1] for e in header.values()), default=0)
