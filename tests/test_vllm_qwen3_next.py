@@ -189,6 +189,8 @@ def test_every_served_point_and_steering_equal_eager_in_bf16(served, reference, 
         top = max((kv for kv in worst.items() if kv[0].startswith(name)), key=lambda kv: kv[1][0])
         mean = max(v[1] for n, v in worst.items() if n.startswith(name))
         print(f"{model.capabilities.backend} x{model.runtime.num_gpus} {name}: worst max {top[1][0]:.4f} at {top[0]}, worst mean {mean:.5f}")
+        gates = {g: max(v for n, v in worst.items() if n.startswith(f"{name} {g}.")) for g in GATES}
+        print(f"  {name} " + ", ".join(f"{g}: max {m:.4f} mean {a:.5f}" for g, (m, a) in gates.items()))
     (plain, _), (edited, _) = runs["plain"], runs["edited"]
     assert not torch.equal(_chosen(plain, 0, k), _chosen(edited, 0, k)), "the router steer must change experts"
     assert (plain["resid_post.2"].float() - edited["resid_post.2"].float()).abs().max() > 0.1
