@@ -38,8 +38,7 @@ def feature_shape(address: Address, dims: Dims, width: int) -> tuple[int, ...]:
 _EAGER_ONLY = {
     **{p: (f"a Gated DeltaNet's {what} outside its one custom op (the convolution, the gating and the delta rule "
            "run inside it, on its cached state)", "lin_out and lin_z (what its gated norm receives) or attn_out")
-       for p, what in (("lin_q", "queries"), ("lin_k", "keys"), ("lin_v", "values"), ("lin_beta", "write strength"),
-                       ("lin_g", "log decay"))},
+       for p, what in (("lin_q", "queries"), ("lin_k", "keys"), ("lin_v", "values"))},
 }
 # Per read-only point: why it cannot be written, and the fix ({L}: the layer).
 _EXPERTS = "write router_logits.{L} to change which experts are chosen, or mlp_out.{L} to change what they add."

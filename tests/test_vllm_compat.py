@@ -85,5 +85,6 @@ def test_every_site_names_a_module_of_every_vllm_layout():
     points = {p for site in SITES for chain in site.points for p in chain.split(">")}
     # attn_result, expert_weights, patterns and logits are recomputed from these (derived.py, patterns.py)
     assert points == {"embed", "resid_pre", "q", "k", "v", "z", "attn_out", "resid_mid", "mlp_pre", "mlp_pre_linear",
-                      "mlp_act", "router_logits", "mlp_out", "resid_post", "final", "kv_latent", "lin_out", "lin_z"}
+                      "mlp_act", "router_logits", "mlp_out", "resid_post", "final", "kv_latent", "lin_out", "lin_z",
+                      "lin_beta", "lin_g"}
     assert set(SHARDING) <= points

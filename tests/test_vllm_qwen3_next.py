@@ -28,7 +28,8 @@ from tests.skips import requires
 
 pytestmark = requires("vllm")
 WIDE = CPU_SHAPES["qwen3_next"]
-EAGER_ONLY = ("lin_q", "lin_k", "lin_v", "lin_beta", "lin_g")
+EAGER_ONLY = ("lin_q", "lin_k", "lin_v")
+GATES = ("lin_beta", "lin_g")  # read on vLLM (recomputed from the op's b and a), written on eager only
 # Per point, |vLLM - eager| over every layer, prompt and position, relative to max |eager| there (bf16 both).
 # Measured on this model, vllm / vllm num_gpus=2 / vllm-static: max at most 0.090 / 0.108 / 0.058 and mean at most
 # 0.0052 / 0.0055 / 0.0054 unedited; max 0.020 / 0.022 / 0.024 and mean 0.0019 / 0.0021 / 0.0019 under `_edits`;
@@ -66,21 +67,24 @@ def test_points_list_exactly_what_vllm_serves(unstarted, reference):
     assert {a.point for a in ours} == {a.point for a in reference.points()} - set(EAGER_ONLY)
     assert ours == tuple(a for a in reference.points() if a.point not in EAGER_ONLY)
     linear, full = (0, 2), (1,)
-    for point, layers in (("lin_out", linear), ("lin_z", linear), ("q", full), ("z", full), ("attn_scores", full),
+    for point, layers in (("lin_out", linear), ("lin_z", linear), ("lin_beta", linear), ("lin_g", linear), ("q", full), ("z", full), ("attn_scores", full),
                           ("attn_out", (0, 1, 2)), ("router_logits", (0, 1, 2)), ("expert_weights", (0, 1, 2)),
                           ("expert_out", (0, 1, 2))):
         assert tuple(a.layer for a in ours if a.point == point) == layers, point
 
 
-@pytest.mark.parametrize("op", [S.Add("lin_v.0", torch.ones(128)), S.Scale("lin_g.2", 2.0)],
-                         ids=["add-lin_v", "scale-lin_g"])
-def test_linear_points_vllm_never_forms_are_refused_before_any_request_naming_eager(unstarted, op):
-    for read in ("lin_q.0", "lin_k.2", "lin_beta.0"):
+def test_linear_points_vllm_never_forms_are_refused_before_any_request_naming_eager(unstarted):
+    for read in ("lin_q.0", "lin_k.2", "lin_v.0"):
         with pytest.raises(BackendError, match=rf"(?s){read} is read and written on the eager backend only: vllm's.*"
                                                r"Gated DeltaNet.*Fix: .*backend=\"eager\".*lin_out and lin_z"):
             capture(unstarted, PROMPTS, [read])
     with pytest.raises(BackendError, match=r"(?s)is read and written on the eager backend only.*Fix: "):
-        capture(unstarted, PROMPTS, ["resid_post.0"], op)
+        capture(unstarted, PROMPTS, ["resid_post.0"], S.Add("lin_v.0", torch.ones(128)))
+    for op in (S.Scale("lin_g.2", 2.0), S.Scale("lin_beta.0", 0.5)):
+        with pytest.raises(BackendError, match=r"(?s)lin_(g|beta)\.\d is read-only on backend=\"vllm\" for qwen3_next: "
+                                               r"vLLM's Gated DeltaNet forms beta and g .*bfloat16, which rounds.*"
+                                               r"Fix: .*backend=\"eager\""):
+            capture(unstarted, PROMPTS, ["lin_g.2"], op)
     assert not unstarted.is_loaded
 
 
@@ -92,8 +96,11 @@ def test_float32_and_declaring_what_vllm_never_forms_are_refused_at_load(wide):
     with pytest.raises(PointError, match=r"(?s)q.0 cannot be declared.*linear-attention.*q is at layer 1.*"
                                           r"lin_out.1 cannot be declared.*softmax-attention.*layers 0, 2"):
         load_model(str(wide), backend="vllm-static", dtype="bfloat16", static_points=["q.0", "q.1", "lin_out.1"])
-    with pytest.raises(SpecError, match=r"(?s)static_writes=\['lin_g.2'\].*only on the eager backend"):
+    with pytest.raises(SpecError, match=r"(?s)static_writes=\['lin_v.2'\].*only on the eager backend"):
         load_model(str(wide), backend="vllm-static", dtype="bfloat16", static_points=["lin_out.0"],
+                   static_writes=["lin_v.2"])
+    with pytest.raises(PointError, match=r"(?s)lin_g.2 cannot be declared.*read-only here: vLLM's Gated DeltaNet forms beta and g"):
+        load_model(str(wide), backend="vllm-static", dtype="bfloat16", static_points=["lin_g.2"],
                    static_writes=["lin_g.2"])
 
 
@@ -182,10 +189,13 @@ def test_every_served_point_and_steering_equal_eager_in_bf16(served, reference, 
         top = max((kv for kv in worst.items() if kv[0].startswith(name)), key=lambda kv: kv[1][0])
         mean = max(v[1] for n, v in worst.items() if n.startswith(name))
         print(f"{model.capabilities.backend} x{model.runtime.num_gpus} {name}: worst max {top[1][0]:.4f} at {top[0]}, worst mean {mean:.5f}")
+        gates = {g: max(v for n, v in worst.items() if n.startswith(f"{name} {g}.")) for g in GATES}
+        print(f"  {name} " + ", ".join(f"{g}: max {m:.4f} mean {a:.5f}" for g, (m, a) in gates.items()))
     (plain, _), (edited, _) = runs["plain"], runs["edited"]
     assert not torch.equal(_chosen(plain, 0, k), _chosen(edited, 0, k)), "the router steer must change experts"
     assert (plain["resid_post.2"].float() - edited["resid_post.2"].float()).abs().max() > 0.1
     assert set(POINTS) - {a.point for a in points} >= set(EAGER_ONLY)
+    assert {a.point for a in points} >= set(GATES)
 
 
 @requires("slow")

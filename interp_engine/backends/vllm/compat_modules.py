@@ -20,6 +20,22 @@ def expand_latent(mla, latent):
     return kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
 
 
+def gdn_gate_inputs(gdn, hidden):
+    """A Gated DeltaNet's (b, a), each [rows, local value heads] in HF's head order, projected from its input as its
+    forward does before the custom op: Qwen3-Next's `in_proj_ba` interleaves them per key head ([b of its value
+    heads | a of them] for each), Qwen3.5's holds all b then all a (`split_ba`)."""
+    ba = gdn.in_proj_ba(hidden)[0]
+    if not gdn.gqa_interleaved_layout:
+        return gdn.split_ba(ba)
+    b, a = ba.view(len(ba), gdn.num_k_heads // gdn.tp_size, -1).chunk(2, dim=-1)
+    return b.reshape(len(ba), -1), a.reshape(len(ba), -1)
+
+
+def gdn_decay(gdn):
+    """(A_log, dt_bias) of a Gated DeltaNet on this rank (its local value heads)."""
+    return gdn.A_log, gdn.dt_bias
+
+
 def attention_scale(attention) -> float:
     return attention.impl.scale
 

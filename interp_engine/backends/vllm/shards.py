@@ -17,9 +17,11 @@ from interp_engine.arch.layers import config_value
 from interp_engine.backends.vllm import compat, compat_modules
 
 # How each point is sharded under tensor parallelism (points not listed are replicated).
-HEADS, KV_HEADS, NEURONS, LIN_HEADS = "heads", "kv_heads", "neurons", "lin_v_heads"
+HEADS, KV_HEADS, NEURONS, LIN_HEADS, LIN_GATES = "heads", "kv_heads", "neurons", "lin_v_heads", "lin_v_gates"
 SHARDING = {"q": HEADS, "z": HEADS, "k": KV_HEADS, "v": KV_HEADS, "mlp_act": NEURONS, "mlp_pre": NEURONS,
-            "mlp_pre_linear": NEURONS, "lin_out": LIN_HEADS, "lin_z": LIN_HEADS}
+            "mlp_pre_linear": NEURONS, "lin_out": LIN_HEADS, "lin_z": LIN_HEADS, "lin_beta": LIN_GATES,
+            "lin_g": LIN_GATES}
+_FLAT = (NEURONS, LIN_GATES)  # one number per neuron or head: [rows, local], gathered along the last axis
 
 
 class Shards:
@@ -41,7 +43,7 @@ class Shards:
             kv_heads, self.kv_total = heads, config.num_attention_heads
         # A Gated DeltaNet's value heads split evenly over the ranks (vLLM's QwenGatedDeltaNetAttention).
         lin = (getattr(config, "linear_num_value_heads", 0) or 0) // self.size
-        self.local = {HEADS: heads, KV_HEADS: kv_heads, NEURONS: mlp_local or 0, LIN_HEADS: lin}
+        self.local = {HEADS: heads, KV_HEADS: kv_heads, NEURONS: mlp_local or 0, LIN_HEADS: lin, LIN_GATES: lin}
         self.d_lin = getattr(config, "linear_value_head_dim", 0) or 0
         self.replicas = max(1, self.size // self.kv_total)  # ranks holding each kv head when size > kv heads
         self.layers: tuple[Shards, ...] = ()  # per layer, where layers differ in widths (`at`)
@@ -53,7 +55,7 @@ class Shards:
         own.kv_total, own.replicas = kv_total, max(1, self.size // kv_total)
         heads, kv_heads, own.d_head = compat_modules.attention_heads(attention)
         own.d_head_v = own.d_head
-        own.local = {HEADS: heads, KV_HEADS: kv_heads, NEURONS: mlp_local}
+        own.local = {**self.local, HEADS: heads, KV_HEADS: kv_heads, NEURONS: mlp_local}
         return own
 
     def layer(self, layer: int | None) -> "Shards":
@@ -71,7 +73,7 @@ class Shards:
             return self.local[kind] * self._width(point)
         if kind == LIN_HEADS:
             return self.local[kind] * self.d_lin
-        return self.local[kind] if kind == NEURONS else self.widths.get(point, d_model)
+        return self.local[kind] if kind in _FLAT else self.widths.get(point, d_model)
 
     def shape(self, point: str, d_model: int) -> tuple[int, ...]:
         """One row of `point`, gathered."""
@@ -82,7 +84,7 @@ class Shards:
             return (self.kv_total, self._width(point))
         if kind == LIN_HEADS:
             return (self.local[kind] * self.size, self.d_lin)
-        return (self.local[NEURONS] * self.size,) if kind == NEURONS else (self.widths.get(point, d_model),)
+        return (self.local[kind] * self.size,) if kind in _FLAT else (self.widths.get(point, d_model),)
 
     def sharded(self, point: str) -> bool:
         """Whether this rank holds only a slice of `point`'s rows."""
@@ -101,7 +103,7 @@ class Shards:
             # With more ranks than kv heads each head is on `replicas` ranks: keep one copy of each.
             full = self.gather(x.reshape(len(x), self.local[KV_HEADS], -1), 1)
             return full if self.replicas == 1 else full[:, ::self.replicas]
-        if kind == NEURONS:
+        if kind in _FLAT:
             return self.gather(x, -1)
         return x
 

@@ -152,6 +152,24 @@ GATED_NORM = Codec("gated_norm", lambda args, kwargs, out: tuple(args[:2]),
                    lambda args, kwargs, out, new: (*new, *args[2:]))
 
 
+
+# A Gated DeltaNet's gates, recomputed at its input as eager defines them (arch/qwen3_next.py): beta = sigmoid(b) in
+# the model's dtype, g = -exp(A_log) * softplus(a + dt_bias) in float32, each [rows, local value heads], from the b
+# and a its forward projects and hands to the custom op. Read only (VllmLayout.read_only): never repacked.
+def _gates_unpack(gdn, args, kwargs, out):
+    b, a = compat_modules.gdn_gate_inputs(gdn, args[0] if args else kwargs["hidden_states"])
+    a_log, dt_bias = compat_modules.gdn_decay(gdn)
+    return b.sigmoid(), -a_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias)
+
+
+def _gates_repack(gdn, args, kwargs, out, new):
+    raise RuntimeError("internal: lin_beta and lin_g are read only on the vLLM backends (VllmLayout.read_only)")
+
+
+LIN_GATES = Codec("lin_gates", _gates_unpack, _gates_repack, kwargs=True, fresh=True, module=True)
+FLOAT32 = ("lin_g",)  # points read in float32 whatever the model's dtype, as eager computes them
+
+
 @dataclass(frozen=True, slots=True)
 class Site:
     """One hook: on the module named by layout field `module` ("" = the decoder layer itself; relative to the
@@ -194,6 +212,7 @@ SITES = (
     Site("o_proj", "pre", INPUT, ("z",)),
     Site("z_out", "post", OUTPUT, ("z",)),
     Site("attn_out", "post", OUTPUT, ("attn_out",)),
+    Site("linear_attn", "pre", LIN_GATES, ("lin_beta", "lin_g")),
     Site("lin_norm", "pre", GATED_NORM, ("lin_out", "lin_z")),
     Site("linear_attn", "post", OUTPUT, ("attn_out",)),
     Site("mid_norm", "pre", FUSED_IN, ("resid_mid",)),

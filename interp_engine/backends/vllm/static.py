@@ -33,7 +33,7 @@ from interp_engine.backends.vllm import compat, wire
 from interp_engine.backends.vllm.patterns import record_patterns, sharing
 from interp_engine.backends.vllm.static_clamp import ClampTap
 from interp_engine.backends.vllm.static_splice import SpliceTap
-from interp_engine.backends.vllm.sites import (FINAL, LOGITS, Site, layer_sites, model_sites, module_at, module_of,
+from interp_engine.backends.vllm.sites import (FINAL, FLOAT32, LOGITS, Site, layer_sites, model_sites, module_at, module_of,
                                                register)
 from interp_engine.backends.vllm.derived import expert_weights, head_results, record
 from interp_engine.backends.vllm.experts import record_expert_out
@@ -107,7 +107,8 @@ class StaticTaps:
         device = next(self.model.parameters()).device
         # This rank's rows, flat, at the point's layer's own width: the taps run inside the model, on local shards.
         width = lambda a: shards.layer(a.layer).local_width(a.point, self.d_model)  # noqa: E731
-        make = lambda a, fill: torch.full((rows, width(a)), fill, dtype=dtype, device=device)  # noqa: E731
+        make = lambda a, fill: torch.full((rows, width(a)), fill, device=device,  # noqa: E731
+                                          dtype=torch.float32 if a.point in FLOAT32 else dtype)
         buffers = {Address("k", sources[a.layer]) if a.point == "k" and a.layer in sources else a
                    for a in taps.buffers()}
         # Sorted: every rank walks them in the same order, so the gathers after a step pair up.
