@@ -13,6 +13,8 @@ REASONS = {
                     "(bitsandbytes 0.48+ runs on CPUs too)",
     "vllm-bnb": "vllm-bnb-plugin or bitsandbytes is not installed: bnb-4bit on vLLM 0.32 needs the out-of-tree "
                 "plugin (pip install --no-deps vllm-bnb-plugin bitsandbytes)",
+    "torchvision": "torchvision does not import here (vLLM's qwen3_5, gemma3_mm and gemma4_mm modules import it): "
+                   "scripts/setup.sh installs one that imports beside torch CPU",
     "ray": "Ray is not installed: scripts/setup.sh installs it (the ray extra); replicated harvests run on it",
     "saelens": "datasets is not installed: harvest(format=\"saelens\") needs the saelens extra "
                "(pip install -e '.[saelens]')",
@@ -41,6 +43,10 @@ def _available(name: str) -> bool:
         return all(importlib.util.find_spec(m) is not None for m in ("bitsandbytes", "accelerate"))
     if name == "saelens":
         return importlib.util.find_spec("datasets") is not None
+    if name == "torchvision":
+        from interp_engine.arch.vllm_cpu import torchvision_failure
+
+        return torchvision_failure() is None
     if name == "slow":
         return os.environ.get("INTERP_ENGINE_SLOW") == "1"
     if name == "vllm-bnb":
