@@ -28,7 +28,9 @@ REASONS = {
              "Gemma 4's MoE block's two-rank and vllm-static engines (about 4 min); "
              "DeepSeek-V3's two-rank engine and its vllm-static engines (its one-rank engine runs in CI); "
              "Qwen3-Next's engines: vllm at num_gpus 1 and 2, and vllm-static (about 5 min); "
-             "Kimi-K2.5's wrapper on vllm (num_gpus 1 and 2) and vllm-static (about 3 min); vLLM's trees of Gemma "
+             "Kimi-K2.5's wrapper on vllm (num_gpus 1 and 2) and vllm-static (about 3 min); "
+             "Gemma 3's and Gemma 4's wrappers on vllm (about 60 s each) and Qwen3.5 on vllm (about 60-190 s), where "
+             "torchvision imports; vLLM's trees of Gemma "
              "3's and Gemma 4's multimodal wrappers (about 25 s each, three) and its registry asked about "
              "Kimi-K2.5's wrapper class as backend=\"auto\" on CUDA asks it (about 18 s)"),
 }
