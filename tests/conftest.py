@@ -62,6 +62,15 @@ def tiny_path(tmp_path_factory):
     return get
 
 
+@pytest.fixture
+def without_torchvision(monkeypatch):
+    """As where torchvision does not import: arch/vllm_cpu.torchvision_failure says what it reads of that failure
+    (tests/test_wrappers.py checks that reading on a real failed import)."""
+    from interp_engine.arch import vllm_cpu
+
+    monkeypatch.setattr(vllm_cpu, "torchvision_failure", lambda: "ModuleNotFoundError: No module named 'torchvision'")
+
+
 @pytest.fixture(scope="session")
 def eager(tiny_path):
     """eager(family, attn="eager", grad=False) -> a loaded handle, shared by the session."""

@@ -13,6 +13,8 @@ REASONS = {
                     "(bitsandbytes 0.48+ runs on CPUs too)",
     "vllm-bnb": "vllm-bnb-plugin or bitsandbytes is not installed: bnb-4bit on vLLM 0.32 needs the out-of-tree "
                 "plugin (pip install --no-deps vllm-bnb-plugin bitsandbytes)",
+    "torchvision": "torchvision does not import here (vLLM's qwen3_5, gemma3_mm and gemma4_mm modules import it): "
+                   "scripts/setup.sh installs one that imports beside torch CPU",
     "ray": "Ray is not installed: scripts/setup.sh installs it (the ray extra); replicated harvests run on it",
     "saelens": "datasets is not installed: harvest(format=\"saelens\") needs the saelens extra "
                "(pip install -e '.[saelens]')",
@@ -26,7 +28,9 @@ REASONS = {
              "Gemma 4's MoE block's two-rank and vllm-static engines (about 4 min); "
              "DeepSeek-V3's two-rank engine and its vllm-static engines (its one-rank engine runs in CI); "
              "Qwen3-Next's engines: vllm at num_gpus 1 and 2, and vllm-static (about 5 min); "
-             "Kimi-K2.5's wrapper on vllm (num_gpus 1 and 2) and vllm-static (about 3 min); vLLM's trees of Gemma "
+             "Kimi-K2.5's wrapper on vllm (num_gpus 1 and 2) and vllm-static (about 3 min); "
+             "Gemma 3's and Gemma 4's wrappers on vllm (about 60 s each) and Qwen3.5 on vllm (about 60-190 s), where "
+             "torchvision imports; vLLM's trees of Gemma "
              "3's and Gemma 4's multimodal wrappers (about 25 s each, three) and its registry asked about "
              "Kimi-K2.5's wrapper class as backend=\"auto\" on CUDA asks it (about 18 s)"),
 }
@@ -41,6 +45,10 @@ def _available(name: str) -> bool:
         return all(importlib.util.find_spec(m) is not None for m in ("bitsandbytes", "accelerate"))
     if name == "saelens":
         return importlib.util.find_spec("datasets") is not None
+    if name == "torchvision":
+        from interp_engine.arch.vllm_cpu import torchvision_failure
+
+        return torchvision_failure() is None
     if name == "slow":
         return os.environ.get("INTERP_ENGINE_SLOW") == "1"
     if name == "vllm-bnb":

