@@ -9,7 +9,7 @@ import asyncio
 import pytest
 import torch
 
-from interp_engine import BackendError, capture, load_model
+from interp_engine import BackendError, capture, generate, load_model
 from interp_engine.errors import PointError
 from interp_engine import spec as S
 from interp_engine.backends.vllm.runtime import _LIVE
@@ -135,6 +135,21 @@ def test_a_parallel_blocks_resid_mid_is_read_and_written_as_on_eager(served, eag
         _close(at("resid_post"), at("resid_mid") + at("mlp_out"), f"resid_post.{layer} {edits!r:.40}", static)
         assert (ours["logits"] - plain["logits"]).abs().max() > 1e-3, "the write must reach the logits"
     assert torch.equal(ours["resid_mid.2"], torch.zeros_like(ours["resid_mid.2"]))
+
+
+def test_generation_under_a_parallel_blocks_resid_mid_write_equals_eager(served, eager):
+    """Every decode step forms and writes resid_mid too: greedy tokens and the generated positions' reads equal
+    eager's, and differ from unsteered generation."""
+    family, backend, model = served
+    if family not in PARALLEL:
+        return
+    spec, points = S.Add("resid_mid.1", torch.linspace(-2, 2, model.d_model), scale=4.0), ["resid_mid.1", "logits"]
+    ours = generate(model, PROMPTS, spec, max_new_tokens=4, stop_at_eos=False, capture=points)
+    theirs = generate(eager(family), PROMPTS, spec, max_new_tokens=4, stop_at_eos=False, capture=points)
+    assert ours.tokens == theirs.tokens
+    assert ours.tokens != generate(model, PROMPTS, max_new_tokens=4, stop_at_eos=False).tokens
+    for address in points:
+        _close(ours.cache[address], theirs.cache[address], f"generated {address}", backend == "vllm-static")
 
 
 def test_weights_equal_eager_or_are_refused_for_moe(served, eager):
