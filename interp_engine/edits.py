@@ -154,6 +154,15 @@ def apply(op, x: Tensor, info: PointInfo, step: Step) -> Tensor:
     return torch.where(_expand_mask(mask, x, info), new, x)
 
 
+def shift_addend(pre: Tensor, a: Tensor, r: Tensor, edited: Tensor) -> Tensor:
+    """What the addend `a` must become for `pre + a` to be `edited` (r = pre + a, unedited): a sum edited where no
+    module sees it (a parallel block's resid_mid, written through attn_out; Gemma 4's). Shifting a by (edited - r)
+    keeps a small edit exact (a zero one bit for bit); edited - pre a large one (a zeroed stream exactly 0, which
+    a norm would otherwise scale up from rounding): each element takes the one whose sum with pre is exact."""
+    shifted = a + (edited - r)
+    return torch.where(pre + shifted == edited, shifted, edited - pre)
+
+
 def failure(ops, error: Exception) -> SpecError:
     """The library's error for an op (or the ops at one point, compiled together) raising while it ran, which
     the checks before the forward pass should have caught; for Custom, the caller's function raising."""

@@ -77,14 +77,6 @@ def _resolve(address: Address, model, problems: list) -> Address | None:
             f"form {never}.", f'load with load_model({model.name!r}, backend="eager"), or read {instead} here.')))
         return None
     served = model.capabilities.served
-    if served is not None and resolved.point not in served and model.capabilities.refused_why:
-        problems.append(BackendError(fix(
-            f"{resolved} is not served on backend=\"{model.capabilities.backend}\" for {model.arch.family}: "
-            f"{model.capabilities.refused_why}.",
-            f'load with load_model({model.name!r}, backend="eager") to read or edit {resolved.point}; here, read '
-            "or edit " + ", ".join(p for p, info in POINTS.items() if p in served and not model.arch.lacks(p)
-                                   and (model.capabilities.eager_only_reads or not info.eager_only_read)) + ".")))
-        return None
     if served is not None and resolved.point not in served:
         has = ", ".join(p for p in POINTS if p in served)
         problems.append(PointError(fix(

@@ -21,6 +21,7 @@ REASONS = {
     "slow": ("INTERP_ENGINE_SLOW=1 is not set. Only with it (and in validator/comparison/run_all_models.sh) run: "
              "vllm-static's per-family compile of the newer families, Gemma 4's included (about 50-70 s on 2 "
              "shared cores); "
+             "GPT-2's and Phi's vllm engines and GPT-NeoX's two-rank one (about 30 s each); "
              "two vLLM harvest replicas on Ray (about 150 s); "
              "SAEs on two-rank vllm and vllm-static engines (about 2 min); "
              "vLLM's module trees built on the meta device: Qwen3-Next's (about 50 s), its four Qwen3.5 trees "

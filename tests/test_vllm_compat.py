@@ -78,9 +78,10 @@ def test_every_site_names_a_module_of_every_vllm_layout():
     split = lambda site: {p for chain in site.points for p in chain.split(">")}  # noqa: E731
     for arch in archs.values():
         # Every point the family serves on vLLM has a site whose module its layout names; a point it lacks (MoE:
-        # mlp_act) or its vLLM implementation never forms (`VllmLayout.refused_points`) needs none.
+        # mlp_act) needs none; a parallel block's resid_mid is formed from two sites' (`VllmLayout.parallel`).
         named = set().union(*(split(s) for s in SITES if s.module == "" or isinstance(getattr(arch.vllm, s.module), str)))
-        served = {p for s in SITES for p in split(s) if not arch.lacks(p) and p not in arch.vllm.refused_points}
+        served = {p for s in SITES for p in split(s) if not arch.lacks(p)}
+        served -= {"resid_mid"} if arch.vllm.parallel else set()
         assert served <= named, (arch.family, served - named)
     points = {p for site in SITES for chain in site.points for p in chain.split(">")}
     # attn_result, expert_weights, patterns and logits are recomputed from these (derived.py, patterns.py)

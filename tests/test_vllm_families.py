@@ -9,7 +9,7 @@ import asyncio
 import pytest
 import torch
 
-from interp_engine import BackendError, capture, load_model
+from interp_engine import BackendError, capture, generate, load_model
 from interp_engine.errors import PointError
 from interp_engine import spec as S
 from interp_engine.backends.vllm.runtime import _LIVE
@@ -30,10 +30,14 @@ SERVED = [pytest.param(("gemma3_text", "vllm"), id="gemma3_text-vllm"),
           pytest.param(("olmo2", "vllm-static"), id="olmo2-vllm-static", marks=SLOW),
           pytest.param(("olmo2", "vllm", 2), id="olmo2-vllm-num_gpus=2", marks=SLOW),
           # GPT-2: vLLM's native gpt2.py (fused qkv, learned positions, layers that take no positions); GPT-NeoX
-          # and Phi through the Transformers backend, as OLMo 2 (parallel blocks). Slow: CI pays for OLMo 2's engine
-          # only; the validator runs all four at num_gpus 1 and 2.
-          *(pytest.param((family, backend), id=f"{family}-{backend}", marks=SLOW)
+          # and Phi through the Transformers backend, as OLMo 2 (parallel blocks: resid_mid formed in the worker,
+          # sites.parallel_mid). Slow but GPT-NeoX on vllm, which CI pays for as the parallel blocks' one engine;
+          # the validator runs all four at num_gpus 1 and 2.
+          *(pytest.param((family, backend), id=f"{family}-{backend}",
+                         marks=() if (family, backend) == ("gpt_neox", "vllm") else SLOW)
             for family in ("gpt2", "gpt_neox", "phi") for backend in ("vllm", "vllm-static")),
+          # Two ranks: attn_out is all-reduced inside the row-parallel dense, so resid_mid's terms are whole on each.
+          pytest.param(("gpt_neox", "vllm", 2), id="gpt_neox-vllm-num_gpus=2", marks=SLOW),
           pytest.param(("phi3", "vllm"), id="phi3-vllm"),
           pytest.param(("phi3", "vllm-static"), id="phi3-vllm-static", marks=SLOW),
           pytest.param(("qwen3_moe", "vllm"), id="qwen3_moe-vllm"),
@@ -44,13 +48,13 @@ SERVED = [pytest.param(("gemma3_text", "vllm"), id="gemma3_text-vllm"),
           pytest.param(("gpt_oss", "vllm"), id="gpt_oss-vllm", marks=SLOW),
           pytest.param(("gpt_oss", "vllm-static"), id="gpt_oss-vllm-static", marks=SLOW)]
 MOE = ("qwen3_moe", "mixtral", "gpt_oss")
-PARALLEL = ("gpt_neox", "phi")  # attention and MLP both read resid_pre: no resid_mid on vLLM
+PARALLEL = ("gpt_neox", "phi")  # attention and MLP both read resid_pre: resid_mid is resid_pre + attn_out
 
 
 def _writes(family: str) -> list[str]:
     # A sparse MLP has no mlp_act; its router is written instead (steering which experts are chosen).
-    return [("router_logits.0" if family in MOE and w == "mlp_act.0" else w) for w in WRITES
-            if not (family in PARALLEL and w.startswith("resid_mid"))]
+    return [("router_logits.0" if family in MOE and w == "mlp_act.0" else w) for w in WRITES] \
+        + ["resid_mid.1"] * (family in PARALLEL)
 
 
 def _spec(d: int, family: str) -> S.Spec:
@@ -59,7 +63,7 @@ def _spec(d: int, family: str) -> S.Spec:
     return (S.Add("embed", ones, positions=[1, -1]) + S.Add("resid_pre.1", ramp) + S.Scale("q.1", 2.0, heads=[0])
             + S.Scale("k.1", 0.5) + S.Scale("v.0", 0.5, heads=[0]) + S.Ablate("z.0", heads=[1, 2])
             + S.Add("attn_out.1", ones)
-            + (S.Spec() if family in PARALLEL else S.Set("resid_mid.2", ramp, positions="last")) + mlp
+            + S.Set("resid_mid.2", ramp, positions="last") + mlp
             + S.Ablate("mlp_out.2") + S.Add("resid_post.0", ramp, scale=3.0) + S.Scale("final", 1.5, positions=[0]))
 
 
@@ -93,9 +97,6 @@ def test_every_point_plain_and_under_a_write_at_every_point_equals_eager(served,
     reference, static = eager(family), backend == "vllm-static"
     points = model.points()
     assert {"attn_scores", "attn_probs"} <= {a.point for a in points}
-    if family in PARALLEL:  # served on eager, refused here before any request, saying why
-        with pytest.raises(BackendError, match="parallel block"):
-            capture(model, PROMPTS, ["resid_mid.0"])
     spec = _spec(model.d_model, family)
     worst = 0.0
     for edits in (S.Spec(), spec):
@@ -106,6 +107,49 @@ def test_every_point_plain_and_under_a_write_at_every_point_equals_eager(served,
     plain = capture(model, PROMPTS, ["resid_post.2"])["resid_post.2"]
     assert (ours["resid_post.2"] - plain).abs().max() > 1e-3, "the edits must change the stream"
     print(f"{family} on {backend}: max abs error {worst:.2e} over {len(points)} points")
+
+
+def test_a_parallel_blocks_resid_mid_is_read_and_written_as_on_eager(served, eager):
+    """GPT-NeoX and Phi: no module sees resid_mid (attention and MLP both read resid_pre). Formed from the layer's
+    input and attn_out, and written through attn_out, it equals eager's at every layer's stream points and the
+    logits, plain and under an Add, a Set at the last position and a zero Ablate (an exact 0: the large-edit branch
+    of edits.shift_addend); the written layer's MLP still reads resid_pre, so only resid_post takes the write."""
+    family, backend, model = served
+    if family not in PARALLEL:
+        assert not model.arch.vllm.parallel, f"{family} has a parallel block: add it to PARALLEL"
+        return
+    d, static = model.d_model, backend == "vllm-static"
+    read = [f"{p}.{i}" for i in range(model.cfg.n_layers)
+            for p in ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")] + ["logits"]
+    plain = capture(model, PROMPTS, read)
+    for i in range(model.cfg.n_layers):
+        _close(plain[f"resid_mid.{i}"], plain[f"resid_pre.{i}"] + plain[f"attn_out.{i}"], f"resid_mid.{i}", static)
+    for layer, edits in ((1, S.Add("resid_mid.1", torch.linspace(-2, 2, d))),
+                         (2, S.Set("resid_mid.2", torch.linspace(-1, 1, d), positions="last")),
+                         (2, S.Ablate("resid_mid.2"))):
+        ours, theirs = capture(model, PROMPTS, read, edits), capture(eager(family), PROMPTS, read, edits)
+        for address in read:
+            _close(ours[address], theirs[address], f"{address} {edits!r:.40}", static)
+        at = lambda p: ours[f"{p}.{layer}"]  # noqa: E731
+        _close(at("mlp_out"), plain[f"mlp_out.{layer}"], f"mlp_out.{layer} {edits!r:.40}", static)
+        _close(at("resid_post"), at("resid_mid") + at("mlp_out"), f"resid_post.{layer} {edits!r:.40}", static)
+        assert (ours["logits"] - plain["logits"]).abs().max() > 1e-3, "the write must reach the logits"
+    assert torch.equal(ours["resid_mid.2"], torch.zeros_like(ours["resid_mid.2"]))
+
+
+def test_generation_under_a_parallel_blocks_resid_mid_write_equals_eager(served, eager):
+    """Every decode step forms and writes resid_mid too: greedy tokens and the generated positions' reads equal
+    eager's, and differ from unsteered generation."""
+    family, backend, model = served
+    if family not in PARALLEL:
+        return
+    spec, points = S.Add("resid_mid.1", torch.linspace(-2, 2, model.d_model), scale=4.0), ["resid_mid.1", "logits"]
+    ours = generate(model, PROMPTS, spec, max_new_tokens=4, stop_at_eos=False, capture=points)
+    theirs = generate(eager(family), PROMPTS, spec, max_new_tokens=4, stop_at_eos=False, capture=points)
+    assert ours.tokens == theirs.tokens
+    assert ours.tokens != generate(model, PROMPTS, max_new_tokens=4, stop_at_eos=False).tokens
+    for address in points:
+        _close(ours.cache[address], theirs.cache[address], f"generated {address}", backend == "vllm-static")
 
 
 def test_weights_equal_eager_or_are_refused_for_moe(served, eager):

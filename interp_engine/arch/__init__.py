@@ -38,9 +38,9 @@ class VllmLayout:
     # normalises resid_mid itself, the experts read pre_feedforward_layernorm_2's); expert_out recomputes it.
     experts_norm: str | None = None
     kv_latent: str | None = None  # latent attention's KV norm, whose output is kv_latent
-    # Points the family has on eager that its vLLM implementation never forms, and why (the refusal says it).
-    refused_points: tuple[str, ...] = ()
-    refused_why: str = ""
+    # Attention and MLP both read resid_pre (GPT-NeoX, Phi): no module sees resid_mid, which is formed at attn_out's
+    # output from the layer's input and written through attn_out, as on eager (sites.parallel_mid).
+    parallel: bool = False
     # Points served there for reading only, and why (the refusal of a write says it).
     read_only: tuple[str, ...] = ()
     read_only_why: str = ""

@@ -5,13 +5,11 @@ the stream after attention alone, and writing it changes resid_post but not the 
 
 vLLM 0.32 runs GPTNeoXForCausalLM through its Transformers backend (HF's modules, batched: see arch/olmo2.py);
 attn_out and mlp_out are the outputs of the dropouts after attention and MLP (identities at inference: the
-attention module itself returns a tuple). No module there sees resid_mid: it is refused on vLLM.
+attention module itself returns a tuple). No module there sees resid_mid either: the worker forms it at attn_out's
+output from the layer's input, and writes it through attn_out, as eager does (`VllmLayout.parallel`).
 """
 
 from interp_engine.arch import Arch, VllmLayout
-
-PARALLEL_MID = ("its attention and MLP both read resid_pre (a parallel block), so no module on vLLM sees "
-                "resid_pre + attn_out; eager forms it for reading and writing")
 
 ARCHES = (
     Arch(
@@ -37,8 +35,7 @@ ARCHES = (
             mlp_pre="mlp.dense_h_to_4h",
             mlp_down="mlp.dense_4h_to_h",
             stream_out="batched",
-            refused_points=("resid_mid",),
-            refused_why=PARALLEL_MID,
+            parallel=True,
         ),
     ),
 )

@@ -4,11 +4,10 @@ resid_mid is resid_pre + attn_out, as for GPT-NeoX.
 
 vLLM 0.32 runs PhiForCausalLM through its Transformers backend (HF's modules, batched: see arch/olmo2.py);
 attn_out is the output projection's output (the attention module returns a tuple, and its dropout is shared with
-the MLP). resid_mid is refused there, as for GPT-NeoX.
+the MLP). resid_mid is formed there from the layer's input and attn_out, as for GPT-NeoX.
 """
 
 from interp_engine.arch import Arch, VllmLayout
-from interp_engine.arch.gpt_neox import PARALLEL_MID
 
 ARCHES = (
     Arch(
@@ -34,8 +33,7 @@ ARCHES = (
             mlp_pre="mlp.fc1",
             mlp_down="mlp.fc2",
             stream_out="batched",
-            refused_points=("resid_mid",),
-            refused_why=PARALLEL_MID,
+            parallel=True,
         ),
     ),
 )

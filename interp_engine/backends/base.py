@@ -49,9 +49,6 @@ class Capabilities:
     attn_implementation: str | None = None  # per handle, HF attention on eager (None: the backend's own kernels)
     taps: Taps | None = None  # per handle, on a backend that declares taps: the declared points
     served: frozenset[str] | None = None  # per handle, the points its architecture has (None: every point)
-    # Why the points outside `served` are not served on this backend though the family has them (DeepSeek's latent
-    # attention on vLLM); None: the architecture lacks them.
-    refused_why: str | None = None
     # Points served for reading only on this backend though they are written on eager (DeepSeek's k and v on vLLM),
     # and why.
     read_only: frozenset[str] = frozenset()

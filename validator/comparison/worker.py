@@ -50,10 +50,10 @@ def load(path: str, backend: str, num_gpus: int, static_points: str):
     dims = read_dims(config, arch)
     kwargs = {"dtype": dtype, "max_model_len": min(MAX_MODEL_LEN, dims.max_len)}
     if backend == "vllm-static":
-        # what vLLM forms for this family (its layout's refusals), and what is served: "auto" is resid_post at every
+        # what is served: "auto" is resid_post at every
         # layer; the experts chosen under router steering are read too (MoE), and where near ties are judged, the
         # logits and router logits read beside each steer (run below)
-        served = [p for p in C.served_points(arch) if p not in (arch.vllm.refused_points if arch.vllm else ())]
+        served = C.served_points(arch)
         tol = FAMILY_TOLERANCES.get((arch.family, getattr(torch, dtype, None)))
         ties = C.router_reads(dims) if tol and tol.near_tie else []
         points = every_address(dims, served) if static_points == "all" else \

@@ -16,6 +16,7 @@ from interp_engine.backends.eager.attention import SITE_KW, AttentionSite
 from interp_engine.backends.eager.layout import Block, Layout
 from interp_engine.backends.eager.linear_attention import LinearSite
 from interp_engine.backends.eager.run import Run, at as _at
+from interp_engine.edits import shift_addend
 from interp_engine.weights import Weights
 
 EMBED, FINAL = Address("embed"), Address("final")
@@ -96,7 +97,7 @@ def _layer_hooks(block: Block, i: int, run: Run, weights: "Callable[[], Weights]
                 r = run.stash[i] + a
                 edited = run.touch(resid_mid, r)
                 if edited is not r:  # realised through attn_out: the block adds resid_pre to what we return
-                    a = _through(run.stash[i], a, r, edited)
+                    a = shift_addend(run.stash[i], a, r, edited)
             return _with_first(out, a)
         handles.append(block.attn_out.register_forward_hook(attn_out))
 
@@ -121,15 +122,6 @@ def _layer_hooks(block: Block, i: int, run: Run, weights: "Callable[[], Weights]
         handles.append(layer.register_forward_hook(
             lambda m, a, out: _with_first(out, run.touch(resid_post, _first(out)))))
     return handles
-
-
-def _through(pre: Tensor, a: Tensor, r: Tensor, edited: Tensor) -> Tensor:
-    """What attention must add to `pre` for the block's resid_mid to be `edited` (r = pre + a, unedited). Shifting a
-    by (edited - r) keeps a small edit exact (a zero one bit for bit); edited - pre a large one (a zeroed stream
-    exactly 0, which the MLP's norm would otherwise scale up from rounding): each element takes the one whose sum
-    with pre is exact."""
-    shifted = a + (edited - r)
-    return torch.where(pre + shifted == edited, shifted, edited - pre)
 
 
 def _mlp_pre_hooks(block: Block, i: int, run: Run) -> list:

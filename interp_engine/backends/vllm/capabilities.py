@@ -32,16 +32,11 @@ BACKENDS = (VLLM, VLLM_STATIC, VLLM_GENERATE)
 
 
 def for_handle(backend: str, taps: Taps | None, layout=None) -> Capabilities:
-    """A handle's value: on vllm-static, the taps it was compiled with; without the points the family's vLLM
-    layout never forms (`VllmLayout.refused_points`), and with those it reads only (`VllmLayout.read_only`)."""
-    from interp_engine.addresses import POINTS
-
+    """A handle's value: on vllm-static, the taps it was compiled with; with the points the family's vLLM layout
+    reads only (`VllmLayout.read_only`)."""
     value = next(c for c in BACKENDS if c.backend == backend)
     if value.declares_taps:
         value = dataclasses.replace(value, taps=taps)
-    if layout is not None and layout.refused_points and value.points:
-        value = dataclasses.replace(value, served=frozenset(POINTS) - frozenset(layout.refused_points),
-                                    refused_why=layout.refused_why)
     if layout is not None and layout.read_only and value.points:
         value = dataclasses.replace(value, read_only=frozenset(layout.read_only), read_only_why=layout.read_only_why)
     return value

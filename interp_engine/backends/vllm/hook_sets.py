@@ -18,7 +18,7 @@ from interp_engine.backends.vllm.derived import expert_weights, head_results, re
 from interp_engine.backends.vllm.layouts import layout_of
 from interp_engine.backends.vllm.patterns import record_patterns, sharing, wants_patterns
 from interp_engine.backends.vllm.sites import (LOGITS, Site, layer_positions, layer_sites, model_sites, module_of,
-                                               register)
+                                               parallel_mid, register)
 
 # Hooks kept registered beyond the armed set's. A dormant hook costs every step ~2 us on a module with no other hook
 # (torch's hooked call path and one identity compare, measured), so at most ~64 us a step.
@@ -83,6 +83,10 @@ class HookSets:
             if new := _hook(site, model if i is None else layers[i], i, layout, state, key, model, live):
                 hooking.append((i, site))
                 handles += new
+        for i in range(len(layers)) if layout.parallel else ():  # after the sites' hooks, which edit its terms
+            if (mid := Address("resid_mid", i)) in key:
+                handles += parallel_mid(layout, layers[i], lambda r, mid=mid: state.touch(mid, r, fresh=True),
+                                        when=live)
         state.hooked[key] = hooking  # most recent last
         while len(state.hooked) > 64:
             state.hooked.pop(next(iter(state.hooked)))

@@ -86,10 +86,8 @@ def load(repo_id: str, source: str, config, selection: BackendSelection, hardwar
         raise PointError("; ".join(lacked))
     writes, clamps, splices = declared_saes(static_writes, dims, num_gpus)
     taps = Taps.of(static_points, writes, dims.n_layers, clamps, splices) if capabilities.declares_taps else None
-    refused = arch.vllm.refused_points if arch.vllm is not None else ()
     read_only = arch.vllm.read_only if arch.vllm is not None else ()
     why = {str(a): arch.lacks(a.point) or lacking(a.point, a.layer, dims.layer_kinds)
-           or (f"{arch.vllm.refused_why}." if a.point in refused else None)
            or (f"it is read-only here: {arch.vllm.read_only_why}." if a in taps.writes and a.point in read_only
                else None)
            for a in (*taps.reads, *taps.writes)} if taps else {}

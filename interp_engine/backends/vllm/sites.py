@@ -27,6 +27,7 @@ import torch
 from interp_engine.addresses import Address
 from interp_engine.backends.vllm import compat_modules
 from interp_engine.arch.discover import has_module
+from interp_engine.edits import shift_addend
 
 EMBED, FINAL, LOGITS = Address("embed"), Address("final"), Address("logits")
 
@@ -301,3 +302,32 @@ def register(module, site: Site, transform: Callable[[Tensors], Tensors], when: 
     if codec.kwargs:
         return module.register_forward_pre_hook(lambda m, args, kwargs: apply(args, kwargs, None), with_kwargs=True)
     return module.register_forward_pre_hook(lambda m, args: apply(args, {}, None))
+
+
+def parallel_mid(layout, layer, mid: Callable[[torch.Tensor], torch.Tensor], kept: torch.Tensor | None = None,
+                 when: Callable[[], bool] | None = None) -> list:
+    """resid_mid of a parallel block (`VllmLayout.parallel`: attention and MLP both read resid_pre, so no module sees
+    resid_pre + attn_out), formed as eager forms it: the layer's input is kept (after resid_pre's own hook, which is
+    registered first), and at attn_out's output (after its own hook) their sum goes to `mid` (a transform of one
+    tensor, returning it itself where nothing changed). An edit reaches resid_post through attn_out
+    (`edits.shift_addend`); the MLP still reads resid_pre. `kept`: a persistent buffer for the input (a traced tap
+    cannot hand a tensor from one hook to another through Python), else a list. The handles, input's first."""
+    sites = {s.points: s for s in layer_sites(layout)}
+    stash: list[torch.Tensor] = []
+
+    def keep(xs):
+        if kept is None:
+            stash[:] = xs[:1]
+        else:
+            kept[:xs[0].shape[0]].copy_(xs[0])
+        return xs
+
+    def form(xs):
+        a = xs[0]
+        pre = stash.pop() if kept is None else kept[:a.shape[0]]
+        r = pre + a
+        edited = mid(r)
+        return xs if edited is r else (shift_addend(pre, a, r, edited).to(a.dtype),)
+
+    return [register(layer, sites[("embed>resid_pre",)], keep, when),
+            register(module_at(layout, "attn_out", layer), sites[("attn_out",)], form, when)]

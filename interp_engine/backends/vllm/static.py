@@ -34,7 +34,7 @@ from interp_engine.backends.vllm.patterns import record_patterns, sharing
 from interp_engine.backends.vllm.static_clamp import ClampTap
 from interp_engine.backends.vllm.static_splice import SpliceTap
 from interp_engine.backends.vllm.sites import (FINAL, FLOAT32, LOGITS, Site, layer_sites, model_sites, module_at, module_of,
-                                               register)
+                                               parallel_mid, register)
 from interp_engine.backends.vllm.derived import expert_weights, head_results, record
 from interp_engine.backends.vllm.experts import record_expert_out
 from interp_engine.backends.vllm.layouts import layout_of
@@ -128,6 +128,9 @@ class StaticTaps:
                 self.handles += _tap_site(site, layer, i, layout, bodies)
         for site in model_sites(layout):
             self.handles += _tap_site(site, self.model, None, layout, bodies)
+        for i, layer in enumerate(layers):  # after the sites' taps: formed from the tapped resid_pre and attn_out
+            if layout.parallel and (mid := Address("resid_mid", i)) in bodies:
+                self.handles += parallel_mid(layout, layer, bodies[mid], make(Address("resid_pre", i), 0.0))
 
     def _whole(self, address: Address) -> tuple[Callable, Callable]:
         point, shards = address.point, self.shards.layer(address.layer)
