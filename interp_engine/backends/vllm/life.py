@@ -21,7 +21,7 @@ from pathlib import Path
 from interp_engine.backends.vllm import compat, guard, sae_refs, shm, wire
 from interp_engine.backends.vllm.arena import ResultArena
 from interp_engine.backends.vllm.engine import remove_sockets
-from interp_engine.backends.vllm.procs import cpu_seconds, running, stopped
+from interp_engine.backends.vllm.procs import demand_seconds, running, stopped
 from interp_engine.errors import BackendError, fix
 
 # Deadlines (seconds). A process that exits is seen at once (its pidfd); the rest within one TICK_S of these.
@@ -29,8 +29,9 @@ TICK_S = 0.5
 STOPPED_S = 5.0  # a stopped engine process, while a call waits
 PROBE_EVERY_S = 2.0  # while a call waits, how often the engine core is asked a trivial question
 PROTOCOL_S = 10.0  # unanswered this long, with the engine idle (see IDLE_CPU_S), the protocol is dead
-IDLE_CPU_S = 1.0  # CPU seconds the engine's processes may use over PROTOCOL_S and still count as idle: a long
-#                   step keeps them busy (it is waited out, however long), a dead input loop leaves them idle
+IDLE_CPU_S = 1.0  # seconds the engine's processes may run or wait to run over PROTOCOL_S and still count as
+#                   idle: a long step keeps them busy (it is waited out, however long), and so does a step starved
+#                   of a core on a loaded machine (run-queue wait); a dead input loop leaves them asleep
 
 DIED, STOPPED, PROTOCOL, SHUT = "died", "stopped", "protocol", "shut down"
 _NONE = object()  # no probe possible (an in-process engine core)
@@ -158,9 +159,9 @@ class EngineLife:
                 if probe is None and busy and stopped_since is None and now - last_probe >= PROBE_EVERY_S:
                     with contextlib.suppress(Exception):  # a closed client: the next tick sees why
                         probe = compat.probe(self.llm) or _NONE
-                        probe_sent, probe_cpu = now, cpu_seconds(self.procs)
+                        probe_sent, probe_cpu = now, demand_seconds(self.procs)
                 elif probe is not None and now - probe_sent >= PROTOCOL_S:
-                    cpu = cpu_seconds(self.procs)
+                    cpu = demand_seconds(self.procs)
                     if busy and cpu - probe_cpu < IDLE_CPU_S:
                         return self.fail(PROTOCOL)
                     probe_sent, probe_cpu = now, cpu  # computing (a long step), or no call waits: wait on

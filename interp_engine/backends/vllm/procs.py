@@ -82,16 +82,31 @@ def stopped(processes: list) -> list:
     return out
 
 
-def cpu_seconds(processes: list) -> float:
-    """CPU time used so far by these processes (user + system; gone ones count 0)."""
+def demand_seconds(processes: list) -> float:
+    """Seconds these processes ran or waited to run, so far (gone ones count 0). A process starved of a core (a
+    niced engine on a loaded machine) waits on the run queue: it counts as busy, as a computing one does, and
+    only a sleeping one counts as idle. From each thread's /proc schedstat (run time + run-queue wait); CPU time
+    alone where the kernel keeps no schedstat."""
     import psutil
 
     total = 0.0
     for process in processes:
-        with contextlib.suppress(psutil.Error):
-            times = process.cpu_times()
-            total += times.user + times.system
+        try:
+            total += sum(_ran_or_waited(process.pid, task) for task in os.listdir(f"/proc/{process.pid}/task"))
+        except OSError:
+            with contextlib.suppress(psutil.Error):
+                times = process.cpu_times()
+                total += times.user + times.system
     return total
+
+
+def _ran_or_waited(pid: int, task: str) -> float:
+    try:
+        with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+            ran, waited = f.read().split()[:2]
+    except FileNotFoundError:  # a thread that ended since the listing
+        return 0.0
+    return (int(ran) + int(waited)) / 1e9
 
 
 @contextlib.contextmanager
