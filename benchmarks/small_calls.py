@@ -8,15 +8,17 @@ by round on one engine: plain vLLM prefill (each call salted afresh, so it never
 the per-call overhead (median of per-round differences against plain), the ratios, and how many calls took
 more than twice plain's median (a second, slow mode shows there). Every (run, backend) is its own process.
 
-`--backends ...,vllm-generate` adds the default engine (plain vLLM, default compilation, no taps) as a third
-process per run, timing plain prefill only: each `vllm-static` row then also carries `over_default_engine`, its
-p50 over the default engine's plain p50 in the same run (two processes: not interleaved, so noisier).
+With `--default-engine`, on `vllm-static` a fourth path is vLLM's default engine (`LLM(model)`: default
+compilation, no taps, the same dtype and lengths) alive in the same process, its plain prefill interleaved with the
+others round by round (two processes were noisier by several percent than the target's 3%): each row's `over_default_engine` is its p50 over the default engine's, `over_default_paired` the median of the
+per-round ratios. Before a call on the other engine the benchmark waits IDLE_S: a vLLM worker spins on its input
+queue (`sched_yield`) for 1 s after each step, on the core the other engine's worker computes on.
 
 `--out` is written after every process, and each process's part (`OUT.BACKEND.RUN.json`) after every size, so a
 benchmark cut short (a timeout) keeps the cells it finished.
 
     python -m benchmarks.small_calls [--quick] [--runs 2] [--calls 200] [--sizes 1x16,8x16] [--out FILE]
-    python -m benchmarks.small_calls --sizes 64x32,64x128 --calls 20 --backends vllm,vllm-static,vllm-generate
+    python -m benchmarks.small_calls --sizes 64x32,64x128 --calls 7 --runs 2 --default-engine
 """
 
 import argparse
@@ -33,6 +35,8 @@ BACKENDS = ("vllm", "vllm-static")
 MODEL = dict(hidden_size=512, num_hidden_layers=8, intermediate_size=1536, num_attention_heads=8,
              num_key_value_heads=4, head_dim=64, max_position_embeddings=512)
 ROOT = Path(__file__).resolve().parents[1]
+# vLLM 0.32's worker busy-waits 1 s after its last read before it sleeps (shm_broadcast's SpinCondition)
+IDLE_S = 1.2
 
 
 def model_folder(quick: bool) -> Path:
@@ -56,7 +60,11 @@ def percentile(values: list[float], q: float) -> float:
 def summary(times: dict[str, list[float]], path: str) -> dict:
     plain, mine = times["plain_prefill"], times[path]
     p50 = statistics.median(plain)
-    return {"p50_ms": statistics.median(mine), "p99_ms": percentile(mine, 0.99),
+    default = times.get("default_engine_prefill")
+    against = {"default_p50_ms": statistics.median(default),
+               "over_default_engine": statistics.median(mine) / statistics.median(default),
+               "over_default_paired": statistics.median(a / b for a, b in zip(mine, default))} if default else {}
+    return {**against, "p50_ms": statistics.median(mine), "p99_ms": percentile(mine, 0.99),
             "plain_p50_ms": p50, "plain_p99_ms": percentile(plain, 0.99),
             "overhead_ms": statistics.median(a - b for a, b in zip(mine, plain)),
             "ratio": statistics.median(mine) / p50, "p99_over_plain_p99": percentile(mine, 0.99) / percentile(plain, 0.99),
@@ -64,7 +72,8 @@ def summary(times: dict[str, list[float]], path: str) -> dict:
             "calls": len(mine)}
 
 
-def one_process(backend: str, quick: bool, calls: int, sizes: list[tuple[int, int]], out: str) -> None:
+def one_process(backend: str, quick: bool, calls: int, sizes: list[tuple[int, int]], out: str,
+                with_default: bool) -> None:
     """Load one engine, time every size's paths interleaved, write the rows as JSON to `out`."""
     import asyncio
     import uuid
@@ -73,6 +82,7 @@ def one_process(backend: str, quick: bool, calls: int, sizes: list[tuple[int, in
     from vllm.inputs import TokensPrompt
 
     from interp_engine import capture, load_model
+    from interp_engine.backends.vllm import compat
 
     folder = model_folder(quick)
     n_layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
@@ -82,6 +92,7 @@ def one_process(backend: str, quick: bool, calls: int, sizes: list[tuple[int, in
     model = load_model(str(folder), backend=backend, max_model_len=512, **extra)
     asyncio.run(model.warmup())
     llm, rows = model.runtime.llm, []
+    default = default_engine(folder) if with_default and backend == "vllm-static" else None
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, skip_reading_prefix_cache=True)
     try:
         for batch, seq in sizes:
@@ -92,35 +103,44 @@ def one_process(backend: str, quick: bool, calls: int, sizes: list[tuple[int, in
                     [TokensPrompt(prompt_token_ids=p, cache_salt=uuid.uuid4().hex) for p in ids], params,
                     use_tqdm=False),
             }
-            if backend != "vllm-generate":  # the default engine: its plain prefill is the baseline itself
-                paths["capture_one_point"] = lambda: capture(model, ids, one, progress=False)
-                paths["capture_resid_post_all"] = lambda: capture(model, ids, every, progress=False)
+            paths["capture_one_point"] = lambda: capture(model, ids, one, progress=False)
+            paths["capture_resid_post_all"] = lambda: capture(model, ids, every, progress=False)
+            if default is not None:
+                paths["default_engine_prefill"] = lambda: default.generate(
+                    [TokensPrompt(prompt_token_ids=p, cache_salt=uuid.uuid4().hex) for p in ids], params,
+                    use_tqdm=False)
             names = list(paths)
             for _ in range(3):
                 for call in paths.values():
                     call()
             times: dict[str, list[float]] = {n: [] for n in names}
+            engine = None
             for rep in range(calls):
                 for name in names[rep % len(names):] + names[: rep % len(names)]:
+                    if engine is not None and engine != (name == "default_engine_prefill"):
+                        time.sleep(IDLE_S)  # the other engine's worker stops spinning first
+                    engine = name == "default_engine_prefill"
                     start = time.perf_counter()
                     paths[name]()
                     times[name].append((time.perf_counter() - start) * 1e3)
-            for path in names[1:] or names:
+            for path in names[1:]:
                 rows.append({"backend": backend, "batch": batch, "seq": seq, "path": path, **summary(times, path)})
             Path(out).write_text(json.dumps(rows))  # after every size: a run cut short keeps its finished cells
             print(f"{backend} {batch}x{seq}: " + ", ".join(
                 f"{n} p50 {statistics.median(t):.1f} p99 {percentile(t, 0.99):.1f} ms" for n, t in times.items()),
                 flush=True)
     finally:
+        if default is not None:
+            compat.shutdown(default)
         asyncio.run(model.shutdown())
 
 
-def against_default_engine(rows: list[dict]) -> None:
-    """Each vllm-static row's p50 over the default engine's plain p50 at its size and run, where one was timed."""
-    default = {(r["run"], r["batch"], r["seq"]): r["plain_p50_ms"] for r in rows if r["backend"] == "vllm-generate"}
-    for row in rows:
-        if row["backend"] == "vllm-static" and (key := (row["run"], row["batch"], row["seq"])) in default:
-            row["over_default_engine"] = row["p50_ms"] / default[key]
+def default_engine(folder: Path):
+    """vLLM's default engine for the model: plain `LLM`, the benchmark's dtype and lengths, nothing of ours."""
+    from vllm import LLM
+
+    return LLM(model=str(folder), dtype="float32", max_model_len=512, skip_tokenizer_init=True, seed=0,
+               kv_cache_memory_bytes=1 << 30)
 
 
 def main() -> None:
@@ -130,13 +150,18 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--sizes", default="1x16,8x16", help="batch x prompt length, comma-separated")
     parser.add_argument("--backends", default=",".join(BACKENDS))
+    parser.add_argument("--default-engine", action="store_true",
+                        help="on vllm-static, also time vLLM's default engine in the same process")
     parser.add_argument("--out", default="out/bench/small_calls.json")
     parser.add_argument("--child", nargs=2, metavar=("BACKEND", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     sizes = [tuple(map(int, s.split("x"))) for s in ("1x16" if args.quick else args.sizes).split(",")]
     calls, runs = (10, 1) if args.quick else (args.calls, args.runs)
+    if unknown := set(args.backends.split(",")) - set(BACKENDS):
+        parser.error(f"--backends {','.join(sorted(unknown))}: choose from {', '.join(BACKENDS)} (vLLM's default "
+                     "engine is --default-engine)")
     if args.child:
-        one_process(args.child[0], args.quick, calls, sizes, args.child[1])
+        one_process(args.child[0], args.quick, calls, sizes, args.child[1], args.default_engine)
         return
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -144,7 +169,6 @@ def main() -> None:
     results, failed = [], []
 
     def save() -> None:  # after every process: a benchmark stopped (a timeout) keeps every cell it finished
-        against_default_engine(results)
         out.write_text(json.dumps({"model": str(model_folder(args.quick)), "calls": calls, "runs": runs,
                                    "busy_at_end": B.busy_fraction(), "env": B.env_info(), "rows": results,
                                    **({"failed": failed} if failed else {})}, indent=1))
@@ -155,7 +179,7 @@ def main() -> None:
             part.unlink(missing_ok=True)
             cmd = [sys.executable, "-m", "benchmarks.small_calls", "--calls", str(calls), "--sizes",
                    ",".join(f"{b}x{s}" for b, s in sizes), *(["--quick"] if args.quick else []),
-                   "--child", backend, str(part)]
+                   *(["--default-engine"] if args.default_engine else []), "--child", backend, str(part)]
             code = subprocess.run(cmd, cwd=ROOT).returncode
             if code:
                 failed.append(f"run {run} {backend}: exit {code}")
@@ -168,7 +192,8 @@ def main() -> None:
               f"p50 {row['p50_ms']:6.1f} (plain {row['plain_p50_ms']:6.1f})  p99 {row['p99_ms']:6.1f} "
               f"(plain {row['plain_p99_ms']:6.1f})  overhead {row['overhead_ms']:+6.1f} ms  ratio {row['ratio']:.2f}  "
               f"slow {row['slow_calls']}/{row['calls']} (plain {row['plain_slow_calls']})"
-              + (f"  over default engine {row['over_default_engine']:.3f}" if "over_default_engine" in row else ""))
+              + (f"  over default engine {row['over_default_engine']:.3f} (paired {row['over_default_paired']:.3f})"
+                 if "over_default_engine" in row else ""))
     if failed:
         sys.exit(f"incomplete: {'; '.join(failed)} (the finished cells are in {out})")
 

@@ -89,6 +89,18 @@ def test_every_declared_point_equals_eager_on_a_ragged_batch(static, eager):
         close_to(ours[address], theirs[address], str(address))
 
 
+def test_a_call_over_several_engine_steps_equals_eager(static, eager):
+    """More tokens than one engine step takes: a step's rows are kept before the next step overwrites the taps'
+    buffers, and those of the step that ends the call are written out as they are (`static._rows`)."""
+    family, model = static
+    step = model.runtime.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    ids = torch.randint(0, model.d_vocab, (step // 150 + 2, 150), generator=torch.Generator().manual_seed(0)).tolist()
+    points = [a for a in model.points() if a.point in ("resid_post", "logits")]
+    ours, theirs = capture(model, ids, points), capture(eager(family), ids, points)
+    for address in points:
+        close_to(ours[address], theirs[address], str(address))
+
+
 @pytest.mark.parametrize("make", [
     lambda d: S.Add("resid_post.1", torch.linspace(-1, 1, d), scale=3.0),
     lambda d: S.Set("resid_mid.2", torch.linspace(0, 1, d), positions="last"),
