@@ -15,7 +15,6 @@ where it imports (scripts/setup.sh installs it), and are refused where it does n
 """
 
 import functools
-import importlib
 
 import torch
 
@@ -33,9 +32,10 @@ NEEDS_TORCHVISION: dict[str, str] = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_tex
 def torchvision_failure() -> str | None:
     """Why transformers' image processors cannot import torchvision in this process, or None where they can."""
     try:
-        importlib.import_module("torchvision.transforms.v2.functional")
+        import torchvision.transforms.v2.functional
     except Exception as e:  # ImportError where absent; RuntimeError from PyPI's build beside torch CPU as it comes
         return f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+    del torchvision  # importing it is the question
     return None
 
 

@@ -1,12 +1,11 @@
 """How an engine is started for each vLLM backend: its `LLM(...)` arguments and the environment its processes
 start with (set by the driver for the start only, see `procs.environ`)."""
 
-import importlib
 import os
 import shutil
 import tempfile
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -18,18 +17,18 @@ EXTENSION = "interp_engine.backends.vllm.worker.InterpExtension"
 SOCKETS = "VLLM_RPC_BASE_PATH"  # the folder vLLM binds its ZMQ IPC sockets in
 
 
-def imported(module: str, name: str) -> Any:
-    """`name` of vLLM's `module`, imported on a thread of its own: how a process first imports vLLM (a load's
-    `LLM`, the server's entry points). A module vLLM imports keeps the exception of an optional import that
-    failed (`vllm/multimodal/media/audio.py` keeps torchcodec's ImportError); its traceback's frame links back
-    through every frame that was calling then, and a finished frame keeps its last locals: imported from a lazily
-    loading call, that call's result (and its caller's locals) lived as long as the process. A thread's stack
-    holds nothing of the caller's."""
+def imported(load: Callable[[], Any]) -> Any:
+    """What `load` (a function whose body imports from vLLM) returns, run on a thread of its own: how a process
+    first imports vLLM (a load's `LLM`, the server's entry points). A module vLLM imports keeps the exception of an
+    optional import that failed (`vllm/multimodal/media/audio.py` keeps torchcodec's ImportError); its traceback's
+    frame links back through every frame that was calling then, and a finished frame keeps its last locals:
+    imported from a lazily loading call, that call's result (and its caller's locals) lived as long as the
+    process. A thread's stack holds nothing of the caller's."""
     imported: dict[str, Any] = {}
 
     def run():
         try:
-            imported["value"] = getattr(importlib.import_module(module), name)
+            imported["value"] = load()
         except BaseException as e:  # raised again in the caller, where it belongs
             imported["error"] = e
 

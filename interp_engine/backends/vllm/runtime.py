@@ -97,7 +97,7 @@ class VllmRuntime(TokenizerRuntime):
 
     def _engine(self):
         compat.check_version()  # an unsupported vLLM is refused here, not deep in a worker
-        LLM = engine.imported("vllm", "LLM")
+        LLM = engine.imported(_llm_class)
         kwargs, env = engine.settings(self)
         self._sockets = env.get(engine.SOCKETS)
         try:
@@ -376,3 +376,8 @@ class VllmRuntime(TokenizerRuntime):
             return False
         return not compat.is_engine_dead(life.llm) and running(life.procs)
 
+
+def _llm_class():
+    from vllm import LLM
+
+    return LLM

@@ -202,7 +202,7 @@ def serve(handle, vllm_argv: list[str], service_options: dict) -> None:
     service = serving.Service(handle, **service_options)  # a bad --default-spec: refused before anything starts
     # This process's first import of vLLM, as a load's (`engine.imported`): its frames, `handle` among their
     # locals, are not kept by what vLLM's modules keep; the later imports find those modules loaded.
-    cli_env_setup = engine.imported("vllm.entrypoints.serve.utils.api_utils", "cli_env_setup")
+    cli_env_setup = engine.imported(_cli_env_setup)
     args, env = engine_args(handle, vllm_argv)
     cli_env_setup()
     os.environ.update(env)  # this process is the server's: its engine's processes inherit these
@@ -210,3 +210,9 @@ def serve(handle, vllm_argv: list[str], service_options: dict) -> None:
         uvloop.run(run(handle, args, service))
     finally:
         engine.remove_sockets(env.get(engine.SOCKETS))  # the engine's processes are gone (see `run`)
+
+
+def _cli_env_setup():
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+
+    return cli_env_setup
