@@ -1,4 +1,4 @@
-"""What the watchdog counts as an idle engine (procs.demand_seconds, life.IDLE_CPU_S).
+"""What the watchdog counts as an idle engine (procs.demand_seconds, life.IDLE_S).
 
 A probe left unanswered while the engine's processes sit idle is a dead input loop. Counting CPU time alone, an
 engine starved of its core (niced, on a loaded machine) looked idle and was declared dead mid-step: the validator
@@ -42,7 +42,6 @@ def test_a_process_starved_of_its_core_counts_as_busy_and_a_sleeping_one_as_idle
             process.wait()
     demand, cpu = (after["starved"][i] - before["starved"][i] for i in (0, 1))
     print(f"\n[watchdog] over {WINDOW_S} s a starved process ran {cpu:.3f} s and ran or waited {demand:.3f} s")
-    idle_bar = life.IDLE_CPU_S * WINDOW_S / life.PROTOCOL_S
-    assert cpu < idle_bar  # CPU time alone would call it idle
-    assert demand > 0.75 * WINDOW_S  # runnable the whole window: busy
-    assert after["sleeper"][0] - before["sleeper"][0] < idle_bar
+    assert cpu < 0.1 * WINDOW_S  # CPU time alone calls it idle
+    assert demand > max(0.75 * WINDOW_S, life.IDLE_S * WINDOW_S / life.PROTOCOL_S)  # runnable throughout: busy
+    assert after["sleeper"][0] - before["sleeper"][0] < 0.05 * WINDOW_S

@@ -28,10 +28,12 @@ from interp_engine.errors import BackendError, fix
 TICK_S = 0.5
 STOPPED_S = 5.0  # a stopped engine process, while a call waits
 PROBE_EVERY_S = 2.0  # while a call waits, how often the engine core is asked a trivial question
-PROTOCOL_S = 10.0  # unanswered this long, with the engine idle (see IDLE_CPU_S), the protocol is dead
-IDLE_CPU_S = 1.0  # seconds the engine's processes may run or wait to run over PROTOCOL_S and still count as
-#                   idle: a long step keeps them busy (it is waited out, however long), and so does a step starved
-#                   of a core on a loaded machine (run-queue wait); a dead input loop leaves them asleep
+PROTOCOL_S = 10.0  # unanswered this long, with the engine idle (see IDLE_S), the protocol is dead
+IDLE_S = 5.0  # seconds the engine's processes may run or wait to run over PROTOCOL_S and still count as idle: a
+#               step computing, or starved of a core on a loaded machine (run-queue wait), keeps a thread runnable
+#               the whole window (>= PROTOCOL_S: waited out, however long); a dead input loop leaves them asleep
+#               but for short polls, whose waits a loaded machine stretches (a clean-clone CI run under load saw
+#               more than 1 s of them in one window)
 
 DIED, STOPPED, PROTOCOL, SHUT = "died", "stopped", "protocol", "shut down"
 _NONE = object()  # no probe possible (an in-process engine core)
@@ -162,7 +164,7 @@ class EngineLife:
                         probe_sent, probe_cpu = now, demand_seconds(self.procs)
                 elif probe is not None and now - probe_sent >= PROTOCOL_S:
                     cpu = demand_seconds(self.procs)
-                    if busy and cpu - probe_cpu < IDLE_CPU_S:
+                    if busy and cpu - probe_cpu < IDLE_S:
                         return self.fail(PROTOCOL)
                     probe_sent, probe_cpu = now, cpu  # computing (a long step), or no call waits: wait on
         finally:
