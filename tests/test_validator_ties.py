@@ -57,3 +57,45 @@ def test_greedy_tokens_are_compared_up_to_a_near_tied_first_difference():
     wide = T.greedy(torch.tensor([[5, 6, 7], [5, 6, 8]]), ref, margins, MARGIN)
     assert wide.wide and not wide.cuts
     assert T.greedy(ref.clone(), ref, margins, MARGIN) == T.LeftOut()
+
+
+def _generation(ref_router: torch.Tensor, ours_router: torch.Tensor, ours_tokens: list[list[int]],
+                margins: list[list[float]]) -> tuple[dict, dict]:
+    """One backend's generate results and eager's: 2 prompts, 8 new tokens, router logits [layer, prompt, step, e]."""
+    ref = {"generate/tokens": torch.tensor([[5] * 8] * 2), "margins/generate": torch.tensor(margins),
+           "ties/generate": ref_router}
+    return {"generate/tokens": torch.tensor(ours_tokens), "ties/generate": ours_router}, ref
+
+
+def _steps() -> torch.Tensor:
+    t = torch.zeros(2, 2, 8, 4)
+    t[..., 0], t[..., 1], t[..., 2] = 3.0, 2.0, 1.0
+    return t
+
+
+def test_a_near_tied_expert_choice_at_a_generated_step_cuts_captures_there_and_tokens_after_it():
+    reference = {"dims": {"top_k": K, "n_layers": 2}, "lengths": [3, 3]}
+    ref, ours = _steps(), _steps()
+    ref[0, 0, 5, 2], ours[0, 0, 5, 2] = 1.996, 2.1  # step 5 (takes new token 5): eager's margin 0.004
+    wide = [1.0] * 8
+    wide[6] = 0.156  # new token 6, which step 5 picks: made otherwise at a margin above near_tie
+    mine, theirs = _generation(ref, ours, [[5] * 6 + [9, 9], [5] * 8], [wide, [1.0] * 8])
+    tokens = T.left_out("generate/tokens", mine, theirs, reference, MARGIN)
+    assert tokens.cuts == ((0, 6),) and not tokens.wide and "prompt 0 step 5 layer 0" in tokens.notes[0]
+    assert "prompt 0 from new token 6" in tokens.describe()
+    captured = T.left_out("generate/resid_post.1", mine, theirs, reference, MARGIN)
+    assert captured.cuts == ((0, 5),) and "prompt 0 from step 5" in captured.describe()
+    # without the expert choice made otherwise, that greedy token fails
+    assert T.left_out("generate/tokens", {**mine, "ties/generate": ref}, theirs, reference, MARGIN).wide
+
+
+def test_expert_choices_are_judged_up_to_the_first_greedy_token_made_otherwise():
+    reference = {"dims": {"top_k": K, "n_layers": 2}, "lengths": [3, 3]}
+    ref, ours = _steps(), _steps()
+    ours[1, 1, 3, 3] = 9.0  # prompt 1, layer 1, step 3: eager's margin 1.0, but step 3 takes another new token 3
+    near = [[1.0] * 8, [1.0, 1.0, 1.0, 0.1, 1.0, 1.0, 1.0, 1.0]]
+    mine, theirs = _generation(ref, ours, [[5] * 8, [5, 5, 5, 9, 9, 9, 9, 9]], near)
+    out = T.left_out("generate/tokens", mine, theirs, reference, MARGIN)
+    assert out.cuts == ((1, 3),) and not out.wide
+    ours[1, 1, 2, 3] = 9.0  # step 2: every input still eager's, so a wide margin there fails
+    assert "prompt 1 step 2 layer 1" in T.left_out("generate/resid_post.1", mine, theirs, reference, MARGIN).wide[0]

@@ -133,11 +133,13 @@ def run(model, *, quick: bool, plant: C.Plant | None, backend: str, num_gpus: in
                 results[f"lens/{a}"] = one[0]
     out = attempt(results, "generate/*", lambda: generate(
         model, list(C.PROMPTS), C.generation_spec(dims), max_new_tokens=4 if quick else 8, stop_at_eos=False,
-        capture=C.generation_capture(dims), progress=False))
+        capture=[*C.generation_capture(dims), *ties], progress=False))
     if out is not None:
         results["generate/tokens"] = torch.tensor(out.tokens)
         for a in C.generation_capture(dims):
             results[f"generate/{a}"] = out.cache[a]
+        if ties:  # the experts chosen at each generated step
+            results["ties/generate"] = torch.stack([out.cache[a] for a in ties])
         # eager's top-1 minus top-2 logit at each greedy choice, wherever near ties are judged (a dense model too)
         if tolerance_for(model.dtype, model.arch.family).near_tie and backend == "eager":
             results["margins/generate"] = margins(model, out.tokens)
