@@ -153,7 +153,6 @@ GATED_NORM = Codec("gated_norm", lambda args, kwargs, out: tuple(args[:2]),
                    lambda args, kwargs, out, new: (*new, *args[2:]))
 
 
-
 # A Gated DeltaNet's gates, recomputed at its input as eager defines them (arch/qwen3_next.py): beta = sigmoid(b) in
 # the model's dtype, g = -exp(A_log) * softplus(a + dt_bias) in float32, each [rows, local value heads], from the b
 # and a its forward projects and hands to the custom op. Read only (VllmLayout.read_only): never repacked.
@@ -312,7 +311,8 @@ def parallel_mid(layout, layer, mid: Callable[[torch.Tensor], torch.Tensor], kep
     tensor, returning it itself where nothing changed). An edit reaches resid_post through attn_out
     (`edits.shift_addend`); the MLP still reads resid_pre. `kept`: a persistent buffer for the input (a traced tap
     cannot hand a tensor from one hook to another through Python), else a list. The handles, input's first."""
-    sites = {s.points: s for s in layer_sites(layout)}
+    # By module: a Gated DeltaNet's output site reads attn_out too.
+    sites = {(s.module, s.hook): s for s in layer_sites(layout)}
     stash: list[torch.Tensor] = []
 
     def keep(xs):
@@ -329,5 +329,5 @@ def parallel_mid(layout, layer, mid: Callable[[torch.Tensor], torch.Tensor], kep
         edited = mid(r)
         return xs if edited is r else (shift_addend(pre, a, r, edited).to(a.dtype),)
 
-    return [register(layer, sites[("embed>resid_pre",)], keep, when),
-            register(module_at(layout, "attn_out", layer), sites[("attn_out",)], form, when)]
+    return [register(layer, sites[("", "pre")], keep, when),
+            register(module_at(layout, "attn_out", layer), sites[("attn_out", "post")], form, when)]

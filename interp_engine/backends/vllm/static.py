@@ -33,8 +33,8 @@ from interp_engine.backends.vllm import compat, wire
 from interp_engine.backends.vllm.patterns import record_patterns, sharing
 from interp_engine.backends.vllm.static_clamp import ClampTap
 from interp_engine.backends.vllm.static_splice import SpliceTap
-from interp_engine.backends.vllm.sites import (FINAL, FLOAT32, LOGITS, Site, layer_sites, model_sites, module_at, module_of,
-                                               parallel_mid, register)
+from interp_engine.backends.vllm.sites import (FINAL, FLOAT32, LOGITS, Site, layer_sites, model_sites, module_at,
+                                               module_of, parallel_mid, register)
 from interp_engine.backends.vllm.derived import expert_weights, head_results, record
 from interp_engine.backends.vllm.experts import record_expert_out
 from interp_engine.backends.vllm.layouts import layout_of
