@@ -104,8 +104,10 @@ def _ran_or_waited(pid: int, task: str) -> float:
     try:
         with open(f"/proc/{pid}/task/{task}/schedstat") as f:
             ran, waited = f.read().split()[:2]
-    except FileNotFoundError:  # a thread that ended since the listing
-        return 0.0
+    except FileNotFoundError:
+        if os.path.isdir(f"/proc/{pid}/task/{task}"):
+            raise  # a kernel without schedstat: the caller counts CPU time instead
+        return 0.0  # a thread that ended since the listing
     return (int(ran) + int(waited)) / 1e9
 
 
