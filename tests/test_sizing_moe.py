@@ -141,6 +141,19 @@ def test_qwen3_5_is_refused_on_vllm_cpu_where_torchvision_does_not_import(withou
             load_model(str(QWEN), backend="vllm")
 
 
+def test_only_a_model_whose_vllm_module_imports_torchvision_asks_whether_it_imports(monkeypatch):
+    """Importing torchvision takes about a second: a CPU load of any other model does not pay it."""
+    from interp_engine.arch import vllm_cpu
+
+    asked = []
+    monkeypatch.setattr(vllm_cpu, "torchvision_failure", lambda: asked.append(1) or "ImportError: blocked")
+    for family in ("gpt_neox", "qwen3_next"):
+        assert vllm_cpu.cpu_refusal(AutoConfig.for_model(family, **TINY[family]), torch.bfloat16) is None
+    assert not asked
+    qwen = AutoConfig.for_model("qwen3_5_text", **TINY["qwen3_5_text"], vocab_size=512)
+    assert "ImportError: blocked" in vllm_cpu.cpu_refusal(qwen, torch.bfloat16) and asked
+
+
 @pytest.mark.parametrize("family", ["qwen3_next", *(pytest.param(f, marks=requires("torchvision"))
                                                     for f in ("qwen3_5_text", "qwen3_5_moe_text"))])
 def test_a_family_vllm_cpu_runs_at_one_dtype_is_refused_at_another(family):

@@ -119,8 +119,9 @@ def cpu_refusal(config, dtype: torch.dtype, wrapper: str | None = None) -> str |
     that holds it (config.json's model type, `aliases.wrapper_of`)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     for model_type in (wrapper, getattr(config, "model_type", None), getattr(text, "model_type", None)):
-        if model_type in (refusals := cpu_refusals()):
-            return f"{model_type}: {refusals[model_type]}"
+        # torchvision's import (about a second) asked only of a model that needs it
+        if model_type in NEEDS_TORCHVISION and (why := cpu_refusals().get(model_type)):
+            return f"{model_type}: {why}"
         if model_type in CPU_DTYPES and dtype != CPU_DTYPES[model_type][0]:
             only, why = CPU_DTYPES[model_type]
             return (f"{model_type} at {str(dtype).removeprefix('torch.')}: {why} (pass "
