@@ -259,7 +259,9 @@ def plan(model, spec: Spec, reads: Iterable[Address], *, n_prompts: int, longest
         if isinstance(op, Custom) and not capabilities.custom_ops:
             problems.append(BackendError(fix(f"Custom at {address} holds a Python function, which never crosses into a vLLM "
                                 "worker.", 'use backend="eager" for Custom ops, or express it with Add/Set/Scale/Ablate.')))
-        if taps is not None and (refused := taps.refusal(address, write=True)) is not None:
+        # A point read-only here is refused above: declaring it in static_writes is refused too, so not offered.
+        if taps is not None and address.point not in capabilities.read_only and \
+                (refused := taps.refusal(address, write=True)) is not None:
             problems.append(refused)
         feat = feature_shape(address, model.dims, longest)
         if isinstance(op, Clamp | Splice):

@@ -13,11 +13,12 @@ budget: the tests that run one (vllm, vllm at num_gpus=2, vllm-static) need INTE
 all); what is refused before any engine starts runs always (about 1.5 s)."""
 
 import asyncio
+import itertools
 
 import pytest
 import torch
 
-from interp_engine import BackendError, PointError, SpecError, capture, load_model
+from interp_engine import BackendError, PointError, SpecError, capture, generate, load_model, steer
 from interp_engine import spec as S
 from interp_engine.addresses import POINTS
 from interp_engine.arch.vllm_cpu import CPU_SHAPES
@@ -102,6 +103,47 @@ def test_float32_and_declaring_what_vllm_never_forms_are_refused_at_load(wide):
     with pytest.raises(PointError, match=r"(?s)lin_g.2 cannot be declared.*read-only here: vLLM's Gated DeltaNet forms beta and g"):
         load_model(str(wide), backend="vllm-static", dtype="bfloat16", static_points=["lin_g.2"],
                    static_writes=["lin_g.2"])
+
+
+def test_writes_at_the_gates_are_refused_on_both_vllm_backends_naming_eager_before_an_engine_starts(unstarted, wide):
+    """lin_beta and lin_g are read there (recomputed from the op's b and a), never written: every op kind, through
+    capture, steer and generate, is refused alone (vllm-static does not offer to declare them in static_writes,
+    which its load refuses too), naming eager; no engine or worker starts, so no table or hook can stay behind."""
+    import psutil
+
+    children = len(psutil.Process().children(recursive=True))
+    heads = unstarted.dims.n_lin_v_heads
+    static = load_model(str(wide), backend="vllm-static", dtype="bfloat16", static_points=["lin_beta.0", "lin_g.2"])
+    calls = [lambda m, op: capture(m, PROMPTS, ["lin_g.2"], op), lambda m, op: steer(m, PROMPTS, op),
+             lambda m, op: generate(m, PROMPTS, op, max_new_tokens=2)]
+    ops = [S.Set("lin_beta.0", torch.full((heads,), 0.5), positions="last"), S.Add("lin_g.2", torch.ones(heads)),
+           S.Ablate("lin_beta.0", heads=[0]), S.Scale("lin_g.2", 0.0)]
+    for model, backend in ((unstarted, "vllm"), (static, "vllm-static")):
+        for call, op in itertools.product(calls, ops):
+            with pytest.raises(BackendError) as caught:
+                call(model, op)
+            text = str(caught.value)
+            assert f'is read-only on backend="{backend}" for qwen3_next' in text and 'backend="eager")' in text, text
+            assert "problems" not in text and "static_writes" not in text, text
+        assert not model.is_loaded
+    with pytest.raises(PointError) as caught:
+        load_model(str(wide), backend="vllm-static", dtype="bfloat16", static_writes=["lin_beta.0"])
+    assert "lin_beta.0 cannot be declared" in str(caught.value) and 'Fix: declare lin_beta.0 in static_points ' \
+        'to read it, or load with backend="eager" to write it.' in str(caught.value), str(caught.value)
+    assert len(psutil.Process().children(recursive=True)) == children
+
+
+def test_the_gates_at_a_full_attention_layer_are_refused_naming_the_linear_layers(unstarted, wide):
+    """Layer 1 is softmax attention: no Gated DeltaNet, so no lin_beta or lin_g, read or written, on either
+    backend; the refusal says where they are."""
+    where = r"layer 1 is a softmax-attention layer \(full_attention\), which has no lin_{0}; lin_{0} is at layers 0, 2"
+    with pytest.raises(PointError, match=rf"(?s){where.format('beta')}.*Fix: use lin_beta at layers 0, 2"):
+        capture(unstarted, PROMPTS, ["lin_beta.1"])
+    with pytest.raises(PointError, match=rf"(?s){where.format('g')}"):
+        steer(unstarted, PROMPTS, S.Scale("lin_g.1", 2.0))
+    with pytest.raises(PointError, match=rf"(?s)lin_g.1 cannot be declared.*{where.format('g')}"):
+        load_model(str(wide), backend="vllm-static", dtype="bfloat16", static_points=["lin_g.1"])
+    assert not unstarted.is_loaded
 
 
 def _edits(d: int) -> S.Spec:

@@ -88,7 +88,8 @@ def load(repo_id: str, source: str, config, selection: BackendSelection, hardwar
     taps = Taps.of(static_points, writes, dims.n_layers, clamps, splices) if capabilities.declares_taps else None
     read_only = arch.vllm.read_only if arch.vllm is not None else ()
     why = {str(a): arch.lacks(a.point) or lacking(a.point, a.layer, dims.layer_kinds)
-           or (f"it is read-only here: {arch.vllm.read_only_why}." if a in taps.writes and a.point in read_only
+           or (fix(f"it is read-only here: {arch.vllm.read_only_why}.", f"declare {a} in static_points to read "
+                   f'it, or load with backend="eager" to write it.') if a in taps.writes and a.point in read_only
                else None)
            for a in (*taps.reads, *taps.writes)} if taps else {}
     if any(why.values()):
