@@ -50,9 +50,8 @@ def load(path: str, backend: str, num_gpus: int, static_points: str):
     dims = read_dims(config, arch)
     kwargs = {"dtype": dtype, "max_model_len": min(MAX_MODEL_LEN, dims.max_len)}
     if backend == "vllm-static":
-        # what is served: "auto" is resid_post at every
-        # layer; the experts chosen under router steering are read too (MoE), and where near ties are judged, the
-        # logits and router logits read beside each steer (run below)
+        # what is served: "auto" is resid_post at every layer; the experts chosen under router steering are read too
+        # (MoE), and where near ties are judged, the logits and router logits read beside each steer (run below)
         served = C.served_points(arch)
         tol = FAMILY_TOLERANCES.get((arch.family, getattr(torch, dtype, None)))
         ties = C.router_reads(dims) if tol and tol.near_tie else []
