@@ -14,7 +14,6 @@ from torch import Tensor
 
 from interp_engine.addresses import Address
 from interp_engine.backends.vllm import compat, wire
-from interp_engine.backends.vllm.write_through import WriteThrough
 from interp_engine.spec import Spec
 
 
@@ -33,7 +32,6 @@ class WorkerCall:
     ended: set[int] = field(default_factory=set)  # prompts whose last position has run
     records: dict[Address | str, list[tuple[Tensor, Tensor, Tensor]]] = field(default_factory=dict)
     keys: dict[tuple[int, int], list[tuple[Tensor, Tensor]]] = field(default_factory=dict)  # (prompt, layer)
-    direct: "WriteThrough | None" = None  # rank 0 on the CPU: rows copied straight into the slot (write_through.py)
     # Why this call failed in this worker, if it did: from then on its ops are skipped (its rows go through
     # unedited) and nothing more is recorded, while every other call in the same steps goes on. `COLLECT`
     # answers with the failure instead of records.
@@ -68,7 +66,6 @@ class WorkerCall:
                 wire.encode_failure(message, in_spec=in_spec, path=self.path, create=False)
         self.records.clear()
         self.keys.clear()
-        self.direct = None
 
 
 def local_path(table: dict) -> str:

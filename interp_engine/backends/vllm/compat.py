@@ -222,10 +222,6 @@ def model_dtype(runner):
     return runner.model_config.dtype
 
 
-def model_device(runner):
-    return runner.device
-
-
 def hidden_size(runner) -> int:
     return runner.model_config.get_hidden_size()
 

@@ -82,7 +82,7 @@ def write_slot(arena: str, offset: int, size: int, tensors: Mapping[str, Sequenc
     the extent without reading the header."""
     text, entries, total = _layout(tensors, metadata)
     try:
-        whole = mapped(arena)
+        whole = _mapped(arena)
     except (OSError, ValueError):  # the driver's arena is gone (a shutdown): the call's file still takes them
         return False
     if 16 + total > size or offset + size > len(whole):
@@ -115,7 +115,7 @@ def _runs(entries: Sequence[Sequence[Tensor]]) -> list[list[np.ndarray]]:
 
 
 @functools.cache
-def mapped(arena: str) -> np.ndarray:
+def _mapped(arena: str) -> np.ndarray:
     """An arena, mapped shared for this process's life (one per engine: a worker never outlives its engine)."""
     import mmap
 

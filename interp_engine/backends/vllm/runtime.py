@@ -196,7 +196,7 @@ class VllmRuntime(TokenizerRuntime):
         call = uuid.uuid4().hex
         with self._table(call):
             tokens = sum(prompts.lengths)
-            table = self._install(call, plan, reads, width=max(prompts.lengths), lens=lens, lengths=prompts.lengths,
+            table = self._install(call, plan, reads, width=max(prompts.lengths), lens=lens, prompts=len(prompts),
                                   tokens=tokens)
             self._run(call, *wire.prefill_requests(call, prompts, table), progress=progress and len(prompts) > 1,
                       then=lambda: self._sizes.reserve(table, tokens))
@@ -225,7 +225,7 @@ class VllmRuntime(TokenizerRuntime):
                     requests = CallRequests(uuid.uuid4().hex)
                     flight.append((requests, prompts, tuple(plan.reads)))
                     table = tables[requests.call] = self._install(
-                        requests.call, plan, list(plan.reads), width=max(prompts.lengths), lengths=prompts.lengths,
+                        requests.call, plan, list(plan.reads), width=max(prompts.lengths), prompts=len(prompts),
                         tokens=sum(prompts.lengths))
                     self._submit(requests, *wire.prefill_requests(requests.call, prompts, table))
                     self._sizes.reserve(table, sum(prompts.lengths))
@@ -319,10 +319,9 @@ class VllmRuntime(TokenizerRuntime):
             os.unlink(wire.result_path(call))
 
     def _install(self, call: str, plan: Plan, reads: list[Address], width: int = 0,
-                 lens: tuple[Address, ...] = (), lengths: tuple[int, ...] = (), tokens: int = 0) -> dict:
+                 lens: tuple[Address, ...] = (), prompts: int = 0, tokens: int = 0) -> dict:
         """The call's table, for its first request's tag (workers adopt tables once attached: one RPC per engine);
-        a prefill call's (its prompts' `lengths`, `tokens` in all) with an arena slot sized from the last of its
-        kind."""
+        a prefill call's (`tokens` prompt tokens) with an arena slot sized from the last of its kind."""
         spec = plan.spec()
         key = spec.fingerprint()
         with self._lock:
@@ -335,8 +334,8 @@ class VllmRuntime(TokenizerRuntime):
             self._rpc(wire.ATTACH)
             self._attached = life.llm
         compiled = life.saes.put(call, spec, compiled, self._calls, lambda *a: self._rpc(wire.PUT_SAES, *a))
-        table = wire.table(call, compiled, key, reads, width=width, lens=lens, prompts=len(lengths), lengths=lengths)
-        if lengths and (slot := life.arena.take(self._sizes.expect(table, tokens))) is not None:
+        table = wire.table(call, compiled, key, reads, width=width, lens=lens, prompts=prompts)
+        if prompts and (slot := life.arena.take(self._sizes.expect(table, tokens))) is not None:
             self._slots[call] = life.arena, slot
             table = wire.with_slot(table, life.arena.table(slot))
         return table

@@ -210,16 +210,14 @@ class StaticTaps:
             x = self.shards.layer(address.layer).present(address.point, buf[:n])
             for active in state.active:
                 if address in active.call.reads or address in active.call.lens:
-                    rows, copied = _rows(active, x, buf)
-                    state.keep(active, address, rows, copied=copied)
+                    state.keep(active, address, _rows(active, x, buf), copied=True)
             if address == FINAL and LOGITS in wanted:
                 # vLLM's unembedding (vocab-parallel gathered: every rank takes part) at every row, not only
                 # the sampled ones.
                 logits = self.model.compute_logits(x)
                 for active in state.active:
                     if LOGITS in active.call.reads:
-                        rows, copied = _rows(active, logits, None)
-                        state.keep(active, LOGITS, rows, copied=copied)
+                        state.keep(active, LOGITS, _rows(active, logits, None), copied=True)
             if address in sources:
                 tapped[address] = x
             if needs_qk:
@@ -244,18 +242,15 @@ class StaticTaps:
                 self.shards.layer(address.layer), x, layer.get_submodule(self.layout.o_proj)))
 
 
-def _rows(active, x: Tensor, buf: Tensor | None) -> tuple[Tensor, bool]:
-    """A call's rows of x, and whether they are its own (`StepState.keep`'s `copied`). Where the call has the whole
-    step, x as it is: its own if it is not the tap buffer (gathered, or computed this step), or if the call ends in
-    this step (it is written out after this forward, `_ie_hand_back`, before the next one overwrites the buffer,
-    so a copy would only be copied again: 32 MiB a call for resid_post x 8 at 64x32); else copied only where kept
-    (rows written through to the call's slot, `write_through.py`, are copied there once, from the buffer)."""
+def _rows(active, x: Tensor, buf: Tensor | None) -> Tensor:
+    """A call's rows of x, its own (`StepState.keep`'s `copied`). Where the call has the whole step, x as it is if
+    it is not the tap buffer (gathered, or computed this step), or if the call ends in this step: it is written
+    out after this forward (`_ie_hand_back`), before the next one overwrites the buffer, so a copy would only be
+    copied again (32 MiB a call for resid_post x 8 at 64x32)."""
     call = active.call
-    if not active.whole:
-        return x.index_select(0, active.rows), True
     fresh = buf is None or x.data_ptr() != buf.data_ptr()
     ends = call.prompts and call.path and len(call.ended.union(active.ended)) == call.prompts
-    return x, bool(fresh or ends)
+    return x if active.whole and (fresh or ends) else x.index_select(0, active.rows)
 
 
 def _tap_site(site: Site, root, layer: int | None, layout, bodies: dict[Address, Callable]) -> list:

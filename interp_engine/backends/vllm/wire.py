@@ -90,17 +90,15 @@ def prefill_requests(call: str, prompts: "Prompts", table: dict) -> tuple[list, 
 # ------------------------------------------------------------------------------------------- tables
 
 def table(call: str, spec: dict, fingerprint: str, reads, *, width: int = 0, lens=(), prompts: int = 0,
-          lengths: tuple[int, ...] = (), failures: bool = False) -> dict[str, Any]:
+          failures: bool = False) -> dict[str, Any]:
     """A call's table: its id, its spec (`Spec.to_dict`, already validated by the driver, with its
     fingerprint), the addresses it reads, the padded width of pattern rows, the addresses it lenses, and, for a
     prefill call, how many prompts it has: the workers hand its results back at `result_path(call)` (on the
-    driver's host) once every prompt's last position has run, and their `lengths` (rank 0 lays its arena slot out
-    from them: `write_through.py`). `failures` (a call that only steers, its table in
+    driver's host) once every prompt's last position has run. `failures` (a call that only steers, its table in
     every request): a worker on the driver's host writes the call's failure there as it happens (`calls.py`); it
     is never collected, and leaves the workers with its last request."""
     return {"call": call, "spec": spec, "fingerprint": fingerprint, "reads": [str(a) for a in reads],
-            "width": width, "lens": [str(a) for a in lens], "prompts": prompts, "lengths": list(lengths),
-            "failures": failures,
+            "width": width, "lens": [str(a) for a in lens], "prompts": prompts, "failures": failures,
             "path": result_path(call) if prompts or failures else "", "host": host()}
 
 

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from interp_engine.addresses import Address
-from interp_engine.backends.vllm import compat, compat_modules, experts, results, sae_refs, wire, write_through
+from interp_engine.backends.vllm import compat, compat_modules, experts, results, sae_refs, wire
 from interp_engine.backends.vllm.calls import WorkerCall, refuse
 from interp_engine.backends.vllm.derived import routing_of
 from interp_engine.backends.vllm.hook_sets import HookSets, needed_by
@@ -159,8 +159,6 @@ class InterpExtension(WeightsExtension):
             try:
                 call = WorkerCall.from_table(table)
                 self._ie_check(call)
-                if compat.tp_rank() == 0 and compat.model_device(runner).type == "cpu":
-                    call.direct = write_through.plan(table, call.slot, len(call.reads | call.lens))
             except Exception as e:  # raising inside the step would kill the engine: the driver's COLLECT raises it
                 refused[tag["call"]] = wire.refused(e)
                 refuse(table, refused[tag["call"]])
@@ -185,17 +183,13 @@ class InterpExtension(WeightsExtension):
             call = calls.pop(call_id)
             if compat.tp_rank() == 0 and call.error:
                 wire.encode_failure(call.error, in_spec=call.error_in_spec, path=call.path)
-            elif compat.tp_rank() == 0 and not (call.direct and not call.records and call.direct.finish()):
-                # Written through where its plan held; else as before, but never into a slot holding rows it reads.
-                slot = None if call.direct and call.direct.regions else call.slot
-                wire.encode(_records(call), path=call.path, slot=slot)
+            elif compat.tp_rank() == 0:
+                wire.encode(_records(call), path=call.path, slot=call.slot)
         self._ie_rehook()
 
 
 def _records(call: WorkerCall) -> dict[str, list]:
-    """What rank 0 recorded for the call, its rows written through to the slot included (as views of it)."""
-    kept = {wire.key(a) if isinstance(a, Address) else a: chunks for a, chunks in call.records.items()}
-    return kept if call.direct is None else {**call.direct.records(), **kept}
+    return {wire.key(a) if isinstance(a, Address) else a: chunks for a, chunks in call.records.items()}
 
 
 class StepState:
@@ -274,20 +268,15 @@ class StepState:
             return
         try:
             if address in call.reads:
-                self.record(call, address, *where, rows.detach(), copied=copied)
+                self.record(call, address, *where, rows.detach() if copied else rows.detach().clone())
             if lensed is not None:
                 self.record(call, wire.key(address, lens=True), *where, lensed)
         except Exception as e:
             call.fail(wire.recording_failed(address, e), in_spec=False)
 
-    def record(self, call: WorkerCall, key: Address | str, prompts: Tensor, positions: Tensor, value: Tensor, *,
-               copied: bool = True) -> None:
-        """Keep rows of `call`, indexed by host tensors: written through to its slot where planned, else kept (a
-        copy: `copied` says whether `value` is one already, no view of the model's tensors); rows on a device
-        leave it with the step's others (`to_host`)."""
-        if call.direct is not None and call.direct.put(wire.key(key), prompts, positions, value):
-            return
-        value = value if copied else value.clone()
+    def record(self, call: WorkerCall, key: Address | str, prompts: Tensor, positions: Tensor, value: Tensor) -> None:
+        """Keep rows of `call` (`value`: a copy, no view of the model's tensors), indexed by host tensors; rows
+        on a device leave it with the step's others (`to_host`)."""
         chunks = call.records.setdefault(key, [])
         chunks.append((prompts, positions, value))
         if value.device.type != "cpu":
