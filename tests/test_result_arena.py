@@ -140,3 +140,34 @@ def test_a_hostile_arena_size_refuses_load_model_before_any_engine_starts(monkey
     monkeypatch.setenv(arena_module.ARENA_ENV, "lots")
     with no_child_survives(), pytest.raises(SpecError, match="INTERP_ENGINE_ARENA_BYTES"):
         load_model(str(tiny_path("llama")), backend="vllm")
+
+
+def test_the_arena_allocates_pages_as_slots_first_reach_them_and_keeps_them_until_close(monkeypatch):
+    """Its memory grows to the furthest slot taken, allocated by the driver before a worker writes (st_blocks:
+    what tmpfs holds), stays for the next large result once the slot is back, and goes at close."""
+    import errno
+
+    arena = ResultArena()
+    try:
+        small = arena.take(0)
+        path = arena.path
+        held = os.stat(path).st_blocks * 512
+        assert small.size <= held < 2 * small.size  # a small slot's pages, not the arena's size
+        large = arena.take(8 << 20)
+        grown = os.stat(path).st_blocks * 512
+        assert grown >= large.offset + large.size and grown < arena.size
+        arena.give(large)
+        arena.give(small)
+        again = arena.take(8 << 20)
+        assert again.offset == 0 and os.stat(path).st_blocks * 512 == grown  # reused: nothing allocated
+        arena.give(again)
+
+        def full(*args):  # /dev/shm without room: the slot is refused, never handed to a worker to SIGBUS on
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(os, "posix_fallocate", full)
+        assert arena.take(16 << 20) is None
+        assert arena.take(8 << 20) == again  # within what is allocated: served, and the refusal lost no span
+    finally:
+        arena.close()
+    assert not os.path.exists(path)

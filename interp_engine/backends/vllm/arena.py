@@ -12,6 +12,12 @@ then fall back to files. A slot whose call failed goes back once the workers hol
 RELEASE); one whose engine faulted never does (a stopped worker might still write it). At shutdown the file is
 unlinked: results still held stay valid (their mapping keeps the pages), /dev/shm keeps nothing; a driver killed
 outright leaves it to the next engine's `wire.sweep_orphans`.
+
+The arena grows to fit what it has held: a slot past the pages allocated so far allocates them (`posix_fallocate`)
+before any worker writes there, and they stay until shutdown, so the memory it holds is the most its slots held at
+once, at most its size (`INTERP_ENGINE_ARENA_BYTES`, 256 MiB). Allocated by the driver, never by a worker's first
+touch: a /dev/shm too small for a slot refuses it (the call falls back to a file, which reports a full disk as an
+error) instead of killing the worker with SIGBUS as it writes.
 """
 
 import collections
@@ -28,7 +34,9 @@ from torch import Tensor
 from interp_engine.backends.vllm import wire
 from interp_engine.errors import env_bytes
 
-ARENA_ENV, ARENA_BYTES = "INTERP_ENGINE_ARENA_BYTES", 64 << 20  # address space; pages as used
+# The most memory it holds: a 64x128-token capture of resid_post at 8 layers of width 512 (128 MiB, its slot 160)
+# fits; larger results go to files of their own, whose pages are allocated and freed call by call.
+ARENA_ENV, ARENA_BYTES = "INTERP_ENGINE_ARENA_BYTES", 256 << 20
 PAGE = 4096  # slots start on pages: a result's views are aligned, and two slots never share a page
 SMALLEST = 64 << 10  # a slot for a kind of call not seen yet: most one-point calls fit
 HEADROOM = 1.25  # over the last result of the kind: prompts' lengths vary, headers too
@@ -52,6 +60,8 @@ class ResultArena:
         self.size = arena_bytes()  # read at engine start: a bad value refused, with the fix
         self.path = ""
         self._map: mmap.mmap | None = None
+        self._fd = -1  # open from the file's making to close: slots allocate its pages
+        self._allocated = 0  # its first bytes, allocated (pages from here on are not, until a slot reaches them)
         self._free: list[tuple[int, int]] = [(0, self.size)]  # (offset, size), in offset order, coalesced
         self._lock = threading.Lock()
         # Slots whose results died: appended by finalizers (any thread, even inside take's own allocations),
@@ -68,6 +78,8 @@ class ResultArena:
             self._reclaim()
             for i, (offset, free) in enumerate(self._free):
                 if free >= size:
+                    if not self._allocate(offset + size):
+                        return None
                     self._free[i:i + 1] = [(offset + size, free - size)] if free > size else []
                     self._map[offset:offset + 8] = bytes(8)
                     return Slot(offset, size)
@@ -101,6 +113,9 @@ class ResultArena:
         with self._lock:
             self.closed = True
             path, self.path, self._map = self.path, "", None  # unmapped once nothing views it
+            fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
         if path:
             try:
                 os.unlink(path)
@@ -118,11 +133,20 @@ class ResultArena:
                 os.ftruncate(fd, self.size)
                 self._map = mmap.mmap(fd, self.size)
             except OSError:
+                os.close(fd)
                 os.unlink(path)
                 return False
-            finally:
-                os.close(fd)
-            self.path = path
+            self.path, self._fd = path, fd
+        return True
+
+    def _allocate(self, end: int) -> bool:
+        """The file's pages up to `end` allocated (once: they stay until close); False if the OS refuses."""
+        if end > self._allocated:
+            try:
+                os.posix_fallocate(self._fd, self._allocated, end - self._allocated)
+            except OSError:  # /dev/shm full: this slot is refused, the call writes a file of its own
+                return False
+            self._allocated = end
         return True
 
     def _reclaim(self) -> None:
