@@ -3,8 +3,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
-# --durations=30: every log shows the slowest phases, so a test that grows is seen in the next run.
-.venv/bin/python -m pytest -q --durations=30 "$@"
+.venv/bin/python -m pytest -q "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "no tests ran: treating as a failure" >&2
