@@ -89,14 +89,58 @@ def eager(tiny_path):
     return get
 
 
+SHARED = "served_llama"
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The modules that use `served_llama` run one after another, where the first of them would, so that they
+    share its engine (an engine start costs 20-35 s on 2 cores); every other module keeps its place."""
+    modules: dict = {}
+    for item in items:
+        modules.setdefault(item.module, []).append(item)
+    sharing = [m for m, its in modules.items() if any(SHARED in it.fixturenames for it in its)]
+    if len(sharing) < 2:
+        return
+    order = [m for m in modules if m not in sharing]
+    first = list(modules).index(sharing[0])
+    order[first:first] = sharing
+    items[:] = [item for m in order for item in modules[m]]
+
+
+@pytest.fixture(scope="session")
+def _llama_handle(tiny_path):
+    """The handle `served_llama` shares, and the child processes from before its engine started."""
+    from types import SimpleNamespace
+
+    shared = SimpleNamespace(model=load_model(str(tiny_path("llama")), backend="vllm", max_model_len=64), before=set())
+    yield shared
+    asyncio.run(shared.model.shutdown())  # where the last module using it did not run to its end
+
+
 @pytest.fixture(scope="module")
-def served_llama(tiny_path):
-    """A live vLLM handle on the tiny Llama with a 64-token context, one per test module (vLLM holds one engine
-    per process); shut down at the module's end."""
-    model = load_model(str(tiny_path("llama")), backend="vllm", max_model_len=64)
+def served_llama(request, _llama_handle):
+    """A live vLLM handle on the tiny Llama with a 64-token context. The modules using it run in a row
+    (`pytest_collection_modifyitems`) and share one engine; shut down at the end of the last of them (vLLM holds
+    one engine per process), after which no child process may remain, and started afresh should a module leave
+    it broken."""
+    import psutil
+
+    model = _llama_handle.model
+    if model.is_loaded and not model.runtime.is_alive():
+        asyncio.run(model.shutdown())
+    if not model.is_loaded:
+        _llama_handle.before = {p.pid for p in psutil.Process().children(recursive=True)}
     asyncio.run(model.warmup())
     yield model
-    asyncio.run(model.shutdown())
+    items = request.session.items
+    after = items[max(i for i, item in enumerate(items) if item.module is request.module) + 1:]
+    if not any(SHARED in item.fixturenames for item in after if item.module is after[0].module):
+        asyncio.run(model.shutdown())
+        from interp_engine.backends.vllm.runtime import resource_tracker_pid
+
+        left = [p for p in psutil.Process().children(recursive=True)
+                if p.pid not in _llama_handle.before and p.pid != resource_tracker_pid()]
+        assert not left, f"child processes survived shutdown(): {left}"
 
 
 @pytest.fixture(scope="session")

@@ -33,7 +33,10 @@ REASONS = {
              "Gemma 3's and Gemma 4's wrappers on vllm (about 60 s each) and Qwen3.5 on vllm (about 60-190 s), where "
              "torchvision imports; vLLM's trees of Gemma "
              "3's and Gemma 4's multimodal wrappers (about 25 s each, three) and its registry asked about "
-             "Kimi-K2.5's wrapper class as backend=\"auto\" on CUDA asks it (about 18 s)"),
+             "Kimi-K2.5's wrapper class as backend=\"auto\" on CUDA asks it (about 18 s); "
+             "the validator's quick run of Gemma 2 (two engines, one compiled: about 100 s); "
+             "the quick benchmarks' vllm-static and vllm-generate suites (two engine starts, one compiled: about "
+             "2 min)"),
 }
 
 

@@ -7,40 +7,72 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks import report
+from benchmarks import report, run_all
 from tests.skips import requires
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_quick_benchmarks_run_every_scenario_and_write_their_files(tmp_path):
+def _run_all(tmp_path, suites: str) -> dict:
     # The peers' venv is a machine-local extra; CI has none, and the peers suite reports itself not installed.
-    cmd = [sys.executable, "-m", "benchmarks.run_all", "--quick", "--out", str(tmp_path)]
+    cmd = [sys.executable, "-m", "benchmarks.run_all", "--quick", "--suites", suites, "--out", str(tmp_path)]
     env = {**os.environ, "INTERP_ENGINE_BENCH_CACHE": str(tmp_path / "models"),
            "PEERS_PYTHON": str(tmp_path / "no-peers")}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     data = json.loads((tmp_path / "results.json").read_text())
-    timed = {(r["suite"], r["path"]) for r in data["rows"] if "ratio" in r}
-    for path in ("capture_resid_post", "capture_all_points", "logit_lens", "run_with_grad", "steered_generate"):
-        assert ("eager", path) in timed, path
     statuses = {(r["suite"], r["path"]): r.get("status") for r in data["rows"] if "ratio" not in r}
     assert not [k for k, s in statuses.items() if s == "error"], statuses
+    return data
+
+
+def _timed(data: dict) -> set[tuple[str, str]]:
+    return {(r["suite"], r["path"]) for r in data["rows"] if "ratio" in r}
+
+
+def test_quick_benchmarks_run_every_scenario_and_write_their_files(tmp_path):
+    """Eager, the peers and `vllm` (one engine start). vllm-static and vllm-generate run the same suite_vllm code
+    with other load arguments, at a compiled engine start each: the test below, with INTERP_ENGINE_SLOW=1."""
+    data = _run_all(tmp_path, "eager,peers,vllm")
+    timed = _timed(data)
+    for path in ("capture_resid_post", "capture_all_points", "logit_lens", "run_with_grad", "steered_generate"):
+        assert ("eager", path) in timed, path
     if data["suites"]["vllm"].get("status") == "ok":
         for path in ("capture_resid_post", "capture_all_points", "logit_lens", "steered_generate"):
             assert ("vllm", path) in timed, path
+        statuses = {(r["suite"], r["path"]): r.get("status") for r in data["rows"] if "ratio" not in r}
         assert statuses[("vllm", "run_with_grad")] == "not_served"
+    md = (tmp_path / "results.md").read_text()
+    assert "| capture resid_post (all layers) | eager |" in md and "parameters" in md
+    assert (tmp_path / "results.png").read_bytes()[:4] == b"\x89PNG"
+    section = report.readme_section(data)
+    assert section.startswith(report.START) and section.endswith(report.END) and "capture every point" in section
+
+
+@requires("slow")
+def test_quick_benchmarks_time_vllm_static_against_the_default_engine(tmp_path):
+    data = _run_all(tmp_path, "vllm-static,vllm-generate")
+    timed = _timed(data)
     assert ("vllm-generate", "generate") in timed or data["suites"]["vllm-generate"].get("status") != "ok"
     assert data["suites"]["vllm-static"].get("status") in ("ok", "not_built", "not_served")
     if all(data["suites"][s].get("status") == "ok" for s in ("vllm-static", "vllm-generate")):
         # vllm-static's prefill and decode, each over the default engine's (no taps) at the same size
         for path in ("capture_resid_post", "steered_generate"):
             assert ("vllm-static vs plain engine", path) in timed, path
-    md = (tmp_path / "results.md").read_text()
-    assert "| capture resid_post (all layers) | eager |" in md and "parameters" in md
-    assert (tmp_path / "results.png").read_bytes()[:4] == b"\x89PNG"
-    section = report.readme_section(data)
-    assert section.startswith(report.START) and section.endswith(report.END) and "capture every point" in section
+
+
+def test_vllm_static_rows_are_divided_by_the_default_engines_plain_paths_at_the_same_size():
+    """run_all's merge of two suites' processes (in CI, where the suites that feed it do not run)."""
+    static = [{"suite": "vllm-static", "path": "capture_resid_post", "baseline": "plain_prefill", "batch": 2,
+               "seq": 16, "path_ms": 30.0, "baseline_ms": 20.0, "ratio": 1.5, "min_ratio": 1.4},
+              {"suite": "vllm-static", "path": "steered_generate", "baseline": "plain_decode", "batch": 4, "seq": 16,
+               "path_ms": 90.0, "baseline_ms": 80.0, "ratio": 1.125, "min_ratio": 1.1},  # no baseline at 4x16
+              {"suite": "vllm", "path": "capture_resid_post", "baseline": "plain_prefill", "batch": 2, "seq": 16,
+               "path_ms": 50.0, "baseline_ms": 20.0, "ratio": 2.5, "min_ratio": 2.4}]
+    plain = [{"batch": 2, "seq": 16, "plain_prefill": 24.0, "plain_decode": 70.0}]
+    [row] = run_all.against_plain_engine(static, plain)
+    assert row["suite"] == "vllm-static vs plain engine" and row["path"] == "capture_resid_post"
+    assert row["baseline_ms"] == 24.0 and row["ratio"] == 30.0 / 24.0 and row["min_ratio"] is None
 
 
 @requires("vllm")

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from interp_engine import capture, generate, load_model, steer
+from interp_engine import capture, generate, steer
 from interp_engine import spec as S
 from tests.conftest import PROMPTS, random_sae
 from tests.skips import requires
@@ -18,11 +18,8 @@ N = 64
 
 
 @pytest.fixture(scope="module")
-def served(tiny_path):
-    model = load_model(str(tiny_path("llama")), backend="vllm")
-    asyncio.run(model.warmup())
-    yield model
-    asyncio.run(model.shutdown())
+def served(served_llama):
+    return served_llama
 
 
 def _call(model, i: int):

@@ -61,49 +61,20 @@ def _shut(model, before: set[int]) -> None:
     assert _children() <= before, "shutdown() left a child process"
 
 
-@requires("vllm")
-def test_a_stopped_worker_is_a_backend_error_within_the_deadline(tiny_path):
+@pytest.fixture(scope="module")
+def llama(tiny_path):
+    """(one handle on the tiny Llama, the child processes before its engine) for the in-process tests below, in
+    an order that saves engine starts: a test that breaks the engine shuts it down and the next one's first call
+    loads a fresh one (as documented); one that leaves it whole hands it on (3 starts here rather than 5)."""
     before = _children()
     model = load_model(str(tiny_path("llama")), backend="vllm")
-    capture(model, PROMPTS, ["resid_post.0"], progress=False)
-    victim = next(p for p in map(psutil.Process, (q.pid for q in model.runtime._procs)) if p.name() == "VLLM::Worker")
-    try:
-        error, elapsed = _error_during_captures(model, lambda: victim.suspend())
-        print(f"\n[life] stopped worker: BackendError {elapsed:.2f} s after SIGSTOP (deadline {life.STOPPED_S} s)")
-        assert "stopped (SIGSTOP)" in str(error) and "Fix: await model.shutdown()" in str(error), str(error)
-        assert elapsed < life.STOPPED_S + SLACK_S
-        with pytest.raises(BackendError, match="has died"):
-            capture(model, PROMPTS, ["resid_post.0"], progress=False)
-    finally:
-        _shut(model, before)  # SIGKILL reaches a stopped process
+    yield model, before
+    _shut(model, before)
 
 
 @requires("vllm")
-def test_a_dead_engine_input_loop_is_a_backend_error_within_the_deadline(tiny_path):
-    before = _children()
-    model = load_model(str(tiny_path("llama")), backend="vllm")
-    model.runtime.load()
-    core = model.runtime.llm.llm_engine.engine_core
-
-    def corrupt():  # the bytes a half-sent message leaves: the core's input thread dies decoding them
-        with model.runtime._life.send_lock:
-            core.input_socket.send_multipart((core.core_engine, b"\x00\x00"))
-
-    try:
-        error, elapsed = _error_during_captures(model, corrupt)
-        print(f"\n[life] dead input loop: BackendError {elapsed:.2f} s after the corrupt message (deadline "
-              f"{life.PROBE_EVERY_S + life.PROTOCOL_S} s)")
-        assert "stopped answering" in str(error), str(error)
-        assert elapsed < life.PROBE_EVERY_S + life.PROTOCOL_S + SLACK_S
-        assert all(p.is_running() for p in model.runtime._procs), "the processes were meant to live on"
-    finally:
-        _shut(model, before)
-
-
-@requires("vllm")
-def test_shutdown_under_running_calls_fails_them_promptly_and_starts_no_engine(tiny_path):
-    before = _children()
-    model = load_model(str(tiny_path("llama")), backend="vllm")
+def test_shutdown_under_running_calls_fails_them_promptly_and_starts_no_engine(llama):
+    model, before = llama
     model.runtime.load()
     engine = set(p.pid for p in model.runtime._procs)
     outcomes: list = []
@@ -137,50 +108,84 @@ def test_shutdown_under_running_calls_fails_them_promptly_and_starts_no_engine(t
         assert isinstance(error, BackendError) and "was shut down" in str(error), repr(error)
     latest = max(at for _, at in outcomes) - started
     print(f"\n[life] shutdown(): took {shut - started:.2f} s; last of 4 calls failed {latest:.2f} s after it began")
+    # A call made after shutdown() loads afresh (documented): that engine is whole, and the next test takes it.
     assert capture(model, PROMPTS, ["resid_post.0"], progress=False)["resid_post.0"].shape[0] == len(PROMPTS)
-    _shut(model, before)  # a call made after shutdown() loads afresh (documented), and shuts down again
+    assert model.runtime.llm is not None and not (engine & _children())
 
 
 @requires("vllm")
-def test_ctrl_c_inside_an_engine_wait_lands_after_it(tiny_path, monkeypatch):
+def test_ctrl_c_inside_an_engine_wait_lands_after_it(llama, monkeypatch):
     """A KeyboardInterrupt inside vLLM's wait for the engine (queue.get in a step, Future.result in an RPC: both
     a Condition's wait) can leave the lock released and become "RuntimeError: release unlocked lock" (a CI run
     lost its driver so, once in some 300 interrupts). So the driver holds Ctrl-C back for each step and RPC: a
     real SIGINT sent inside one raises only once it returned, and the engine goes on whole."""
     points = ["resid_post.0", "mlp_act.1"]
-    model = load_model(str(tiny_path("llama")), backend="vllm", max_model_len=64)
-    before = _children()
+    model, _ = llama
+    expected = capture(model, PROMPTS, points, progress=False)
+    llm, events = model.runtime.llm, []
+
+    def inside(wait):
+        def waiting(*args, **kwargs):
+            if not events:  # the first wait of the call: Ctrl-C now, while it waits
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)  # Python's handler would have raised by now
+                events.append("signalled")
+            answer = wait(*args, **kwargs)
+            events.append("returned")
+            return answer
+        return waiting
+
+    for where, call in (("step", lambda: capture(model, PROMPTS, points, progress=False)),
+                        ("collective_rpc", model.runtime.worker_status)):
+        events.clear()
+        with monkeypatch.context() as patch:
+            if where == "step":
+                patch.setattr(compat, "step", inside(compat.step))
+            else:
+                patch.setattr(llm, "collective_rpc", inside(llm.collective_rpc))
+            with pytest.raises(KeyboardInterrupt):
+                call()
+        assert events == ["signalled", "returned"], f"{where}: {events}"
+        got = capture(model, PROMPTS, points, progress=False)
+        assert all(torch.equal(got[k], expected[k]) for k in expected), where
+        assert llm.llm_engine.get_num_unfinished_requests() == 0, where
+        [status] = model.runtime.worker_status()
+        assert status["calls"] == 0 and status["hooks"] == 0, (where, status)
+
+
+@requires("vllm")
+def test_a_stopped_worker_is_a_backend_error_within_the_deadline(llama):
+    model, before = llama
+    capture(model, PROMPTS, ["resid_post.0"], progress=False)
+    victim = next(p for p in map(psutil.Process, (q.pid for q in model.runtime._procs)) if p.name() == "VLLM::Worker")
     try:
-        expected = capture(model, PROMPTS, points, progress=False)
-        llm, events = model.runtime.llm, []
+        error, elapsed = _error_during_captures(model, lambda: victim.suspend())
+        print(f"\n[life] stopped worker: BackendError {elapsed:.2f} s after SIGSTOP (deadline {life.STOPPED_S} s)")
+        assert "stopped (SIGSTOP)" in str(error) and "Fix: await model.shutdown()" in str(error), str(error)
+        assert elapsed < life.STOPPED_S + SLACK_S
+        with pytest.raises(BackendError, match="has died"):
+            capture(model, PROMPTS, ["resid_post.0"], progress=False)
+    finally:
+        _shut(model, before)  # SIGKILL reaches a stopped process
 
-        def inside(wait):
-            def waiting(*args, **kwargs):
-                if not events:  # the first wait of the call: Ctrl-C now, while it waits
-                    os.kill(os.getpid(), signal.SIGINT)
-                    time.sleep(0.05)  # Python's handler would have raised by now
-                    events.append("signalled")
-                answer = wait(*args, **kwargs)
-                events.append("returned")
-                return answer
-            return waiting
 
-        for where, call in (("step", lambda: capture(model, PROMPTS, points, progress=False)),
-                            ("collective_rpc", model.runtime.worker_status)):
-            events.clear()
-            with monkeypatch.context() as patch:
-                if where == "step":
-                    patch.setattr(compat, "step", inside(compat.step))
-                else:
-                    patch.setattr(llm, "collective_rpc", inside(llm.collective_rpc))
-                with pytest.raises(KeyboardInterrupt):
-                    call()
-            assert events == ["signalled", "returned"], f"{where}: {events}"
-            got = capture(model, PROMPTS, points, progress=False)
-            assert all(torch.equal(got[k], expected[k]) for k in expected), where
-            assert llm.llm_engine.get_num_unfinished_requests() == 0, where
-            [status] = model.runtime.worker_status()
-            assert status["calls"] == 0 and status["hooks"] == 0, (where, status)
+@requires("vllm")
+def test_a_dead_engine_input_loop_is_a_backend_error_within_the_deadline(llama):
+    model, before = llama
+    model.runtime.load()
+    core = model.runtime.llm.llm_engine.engine_core
+
+    def corrupt():  # the bytes a half-sent message leaves: the core's input thread dies decoding them
+        with model.runtime._life.send_lock:
+            core.input_socket.send_multipart((core.core_engine, b"\x00\x00"))
+
+    try:
+        error, elapsed = _error_during_captures(model, corrupt)
+        print(f"\n[life] dead input loop: BackendError {elapsed:.2f} s after the corrupt message (deadline "
+              f"{life.PROBE_EVERY_S + life.PROTOCOL_S} s)")
+        assert "stopped answering" in str(error), str(error)
+        assert elapsed < life.PROBE_EVERY_S + life.PROTOCOL_S + SLACK_S
+        assert all(p.is_running() for p in model.runtime._procs), "the processes were meant to live on"
     finally:
         _shut(model, before)
 

@@ -1,6 +1,5 @@
 """harvest() against capture() on the same prompts, resuming after a real SIGKILL, and every refusal."""
 
-import asyncio
 import json
 import os
 import signal
@@ -16,7 +15,6 @@ from safetensors.torch import load_file
 from interp_engine import Address, SpecError, capture, harvest, load_harvest, load_model
 from interp_engine import spec as S
 from interp_engine.cli import main as cli
-from tests.conftest import no_child_survives
 from tests.skips import requires
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -209,13 +207,10 @@ def test_cli_exits_2_with_the_fix_on_bad_input(tiny_path, tmp_path, capsys):
 
 
 @pytest.fixture(scope="module")
-def served(tiny_path):
-    """One vLLM engine for this module; shut down at the end, after which no child process may remain."""
-    with no_child_survives():
-        model = load_model(str(tiny_path("llama")), backend="vllm")
-        asyncio.run(model.warmup())
-        yield model
-        asyncio.run(model.shutdown())
+def served(served_llama):
+    """The session's tiny Llama on vllm (`served_llama`: its engine shared with the modules run next to this one;
+    no child process may remain once it is shut down)."""
+    return served_llama
 
 
 @requires("vllm")

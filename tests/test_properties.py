@@ -2,7 +2,6 @@
 random valid specs leave nothing behind on either backend (no hook, no worker table, no changed parameter: a
 baseline run afterwards is bit-identical)."""
 
-import asyncio
 import json
 import os
 import subprocess
@@ -13,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from interp_engine import Address, Spec, capture, generate, load_model, steer
+from interp_engine import Address, Spec, capture, generate, steer
 from interp_engine import spec as S
 from interp_engine.addresses import POINTS
 from interp_engine.arch import Dims, _registry
@@ -215,11 +214,8 @@ def test_random_valid_specs_leave_the_eager_model_untouched(untouched, ops, verb
 
 
 @pytest.fixture(scope="module")
-def served(tiny_path):
-    model = load_model(str(tiny_path("llama")), backend="vllm")
-    asyncio.run(model.warmup())
-    yield model, steer(model, PROMPTS, Spec(), progress=False)
-    asyncio.run(model.shutdown())
+def served(served_llama):
+    return served_llama, steer(served_llama, PROMPTS, Spec(), progress=False)
 
 
 @requires("vllm")

