@@ -11,7 +11,7 @@ import torch
 
 from interp_engine.arch.aliases import wrapper_of
 from interp_engine.arch.vllm_cpu import cpu_engine_args
-from interp_engine.backends.vllm import compat
+from interp_engine.backends.vllm import compat, gather
 
 EXTENSION = "interp_engine.backends.vllm.worker.InterpExtension"
 SOCKETS = "VLLM_RPC_BASE_PATH"  # the folder vLLM binds its ZMQ IPC sockets in
@@ -71,6 +71,7 @@ def settings(runtime) -> tuple[dict[str, Any], dict[str, str]]:
         env["VLLM_USE_AOT_COMPILE"] = "0"
     if runtime.backend in ("vllm", "vllm-static"):
         env.update(compat.engine_environ())  # the V1 model runner
+        kwargs["scheduler_cls"] = gather.QUALNAME  # a call's requests in one step (a user's own class stays)
     if runtime.num_gpus > 1:
         # vLLM picks Ray's executor by itself inside a Ray placement group (a harvest replica); the ranks of one
         # engine stay this machine's processes unless the user asks otherwise.

@@ -261,7 +261,7 @@ class VllmRuntime(TokenizerRuntime):
                 top_p=top_p or 1.0, seed=None if seed is None else seed + i, detokenize=False,
                 ignore_eos=True, stop_token_ids=[eos] if stop_at_eos and eos is not None and not capturing else None,
                 skip_reading_prefix_cache=tabled, output_kind=RequestOutputKind.FINAL_ONLY, skip_clone=True,
-                extra_args=wire.tag(call, i, len(ids), table if i == 0 else None) if tabled else None)
+                extra_args=wire.tag(call, i, len(ids), table if i == 0 else None, len(prompts.ids)) if tabled else None)
                 for i, ids in enumerate(prompts.ids)]
             outputs = self._run(call, [tokens_input(list(ids), cache_salt=call if tabled else None)
                                        for ids in prompts.ids], params, progress=progress and len(prompts) > 1)

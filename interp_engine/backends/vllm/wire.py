@@ -56,11 +56,13 @@ def request_id(call: str, index: int) -> str:
     return f"{TAG}-{call}-{index}"
 
 
-def tag(call: str, prompt: int, length: int, table: dict | None = None) -> dict[str, Any]:
+def tag(call: str, prompt: int, length: int, table: dict | None = None, of: int = 0) -> dict[str, Any]:
     """A request's `extra_args`: which call it belongs to, which prompt it is and how long that prompt is; the
     call's first request also carries its table (the scheduler is first come, first served, so the workers
-    see it no later than the call's other requests)."""
-    return {TAG: {"call": call, "prompt": prompt, "length": length, **({"table": table} if table else {})}}
+    see it no later than the call's other requests). `of`: how many requests the call sends at once, which the
+    engine core's scheduler gathers into one step (`gather.py`)."""
+    return {TAG: {"call": call, "prompt": prompt, "length": length, **({"table": table} if table else {}),
+                  **({"of": of} if of > 1 else {})}}
 
 
 def read_tag(extra_args: Mapping | None) -> dict | None:
@@ -82,7 +84,7 @@ def prefill_requests(call: str, prompts: "Prompts", table: dict) -> tuple[list, 
     # (0.3-0.5 ms a request of driver CPU, the call's table included).
     params = [SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, skip_reading_prefix_cache=True,
                              output_kind=RequestOutputKind.FINAL_ONLY, skip_clone=True,
-                             extra_args=tag(call, i, len(ids), table if i == 0 else None))
+                             extra_args=tag(call, i, len(ids), table if i == 0 else None, len(prompts.ids)))
               for i, ids in enumerate(prompts.ids)]
     return [tokens_input(list(ids), cache_salt=call) for ids in prompts.ids], params
 
