@@ -5,8 +5,10 @@ a call of one 16-token prompt shows both. On a random ~29M Qwen3-shaped model (8
 per backend (`vllm`, `vllm-static`) and size (batch x prompt length), this times three paths interleaved round
 by round on one engine: plain vLLM prefill (each call salted afresh, so it never reads the prefix cache),
 `capture` of one point, and `capture` of resid_post at every layer. It reports each path's p50 and p99 (ms),
-the per-call overhead (median of per-round differences against plain), the ratios, and how many calls took
-more than twice plain's median (a second, slow mode shows there). Every (run, backend) is its own process.
+the per-call overhead (median of per-round differences against plain), the ratios, how many calls took
+more than twice plain's median (a second, slow mode shows there), and how many engine steps a call took: plain
+vLLM's requests start a step as the first arrives, a capture's run together (`gather.py`). Every (run, backend)
+is its own process.
 
 With `--default-engine`, on `vllm-static` a fourth path is vLLM's default engine (`LLM(model)`: default
 compilation, no taps, the same dtype and lengths) alive in the same process, its plain prefill interleaved with the
@@ -93,6 +95,7 @@ def one_process(backend: str, quick: bool, calls: int, sizes: list[tuple[int, in
     asyncio.run(model.warmup())
     llm, rows = model.runtime.llm, []
     default = default_engine(folder) if with_default and backend == "vllm-static" else None
+    steps = [count_steps(engine) for engine in (llm, default) if engine is not None]
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, skip_reading_prefix_cache=True)
     try:
         for batch, seq in sizes:
@@ -114,17 +117,23 @@ def one_process(backend: str, quick: bool, calls: int, sizes: list[tuple[int, in
                 for call in paths.values():
                     call()
             times: dict[str, list[float]] = {n: [] for n in names}
+            stepped: dict[str, int] = dict.fromkeys(names, 0)
             engine = None
             for rep in range(calls):
                 for name in names[rep % len(names):] + names[: rep % len(names)]:
                     if engine is not None and engine != (name == "default_engine_prefill"):
                         time.sleep(IDLE_S)  # the other engine's worker stops spinning first
                     engine = name == "default_engine_prefill"
+                    before = sum(s[0] for s in steps)
                     start = time.perf_counter()
                     paths[name]()
                     times[name].append((time.perf_counter() - start) * 1e3)
+                    stepped[name] += sum(s[0] for s in steps) - before
+            per_call = {n: stepped[n] / calls for n in names}
             for path in names[1:]:
-                rows.append({"backend": backend, "batch": batch, "seq": seq, "path": path, **summary(times, path)})
+                rows.append({"backend": backend, "batch": batch, "seq": seq, "path": path, **summary(times, path),
+                             "steps_per_call": per_call[path], "plain_steps_per_call": per_call["plain_prefill"],
+                             **({"default_steps_per_call": per_call["default_engine_prefill"]} if default else {})})
             Path(out).write_text(json.dumps(rows))  # after every size: a run cut short keeps its finished cells
             print(f"{backend} {batch}x{seq}: " + ", ".join(
                 f"{n} p50 {statistics.median(t):.1f} p99 {percentile(t, 0.99):.1f} ms" for n, t in times.items()),
@@ -133,6 +142,19 @@ def one_process(backend: str, quick: bool, calls: int, sizes: list[tuple[int, in
         if default is not None:
             compat.shutdown(default)
         asyncio.run(model.shutdown())
+
+
+def count_steps(llm) -> list[int]:
+    """A counter of the engine's steps as its driver takes them (each one engine core step's outputs): a call whose
+    requests the core splits over two steps pays a step's fixed cost twice (`gather.py`)."""
+    counted, step = [0], llm.llm_engine.step
+
+    def counting():
+        counted[0] += 1
+        return step()
+
+    llm.llm_engine.step = counting
+    return counted
 
 
 def default_engine(folder: Path):
@@ -191,7 +213,8 @@ def main() -> None:
         print(f"run {row['run']} {row['backend']:12} {row['batch']}x{row['seq']:<4} {row['path']:24} "
               f"p50 {row['p50_ms']:6.1f} (plain {row['plain_p50_ms']:6.1f})  p99 {row['p99_ms']:6.1f} "
               f"(plain {row['plain_p99_ms']:6.1f})  overhead {row['overhead_ms']:+6.1f} ms  ratio {row['ratio']:.2f}  "
-              f"slow {row['slow_calls']}/{row['calls']} (plain {row['plain_slow_calls']})"
+              f"slow {row['slow_calls']}/{row['calls']} (plain {row['plain_slow_calls']})  "
+              f"steps/call {row['steps_per_call']:.2f} (plain {row['plain_steps_per_call']:.2f})"
               + (f"  over default engine {row['over_default_engine']:.3f} (paired {row['over_default_paired']:.3f})"
                  if "over_default_engine" in row else ""))
     if failed:
