@@ -12,15 +12,18 @@ is its own process.
 
 With `--default-engine`, on `vllm-static` a fourth path is vLLM's default engine (`LLM(model)`: default
 compilation, no taps, the same dtype and lengths) alive in the same process, its plain prefill interleaved with the
-others round by round (two processes were noisier by several percent than the target's 3%): each row's `over_default_engine` is its p50 over the default engine's, `over_default_paired` the median of the
-per-round ratios. Before a call on the other engine the benchmark waits IDLE_S: a vLLM worker spins on its input
-queue (`sched_yield`) for 1 s after each step, on the core the other engine's worker computes on.
+others round by round (two processes were noisier by several percent than the target's 3%): each row's
+`over_default_engine` is its p50 over the default engine's, `over_default_paired` the median of the per-round
+ratios. Before a call on the other engine the benchmark waits IDLE_S: a vLLM worker spins on its input queue
+(`sched_yield`) for 1 s after each step, on the core the other engine's worker computes on. Our CPU engine starts
+with allocator settings of its own (`engine.ALLOCATOR`), which speed plain vLLM's prefill too; `--same-allocator`
+starts the default engine with them as well, so that the ratio is of our instrumentation alone.
 
 `--out` is written after every process, and each process's part (`OUT.BACKEND.RUN.json`) after every size, so a
 benchmark cut short (a timeout) keeps the cells it finished.
 
     python -m benchmarks.small_calls [--quick] [--runs 2] [--calls 200] [--sizes 1x16,8x16] [--out FILE]
-    python -m benchmarks.small_calls --sizes 64x32,64x128 --calls 7 --runs 2 --default-engine
+    python -m benchmarks.small_calls --sizes 64x32,64x128 --calls 7 --runs 2 --default-engine [--same-allocator]
 """
 
 import argparse
@@ -75,7 +78,7 @@ def summary(times: dict[str, list[float]], path: str) -> dict:
 
 
 def one_process(backend: str, quick: bool, calls: int, sizes: list[tuple[int, int]], out: str,
-                with_default: bool) -> None:
+                with_default: bool, same_allocator: bool = False) -> None:
     """Load one engine, time every size's paths interleaved, write the rows as JSON to `out`."""
     import asyncio
     import uuid
@@ -94,7 +97,7 @@ def one_process(backend: str, quick: bool, calls: int, sizes: list[tuple[int, in
     model = load_model(str(folder), backend=backend, max_model_len=512, **extra)
     asyncio.run(model.warmup())
     llm, rows = model.runtime.llm, []
-    default = default_engine(folder) if with_default and backend == "vllm-static" else None
+    default = default_engine(folder, same_allocator) if with_default and backend == "vllm-static" else None
     steps = [count_steps(engine) for engine in (llm, default) if engine is not None]
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, skip_reading_prefix_cache=True)
     try:
@@ -157,12 +160,18 @@ def count_steps(llm) -> list[int]:
     return counted
 
 
-def default_engine(folder: Path):
-    """vLLM's default engine for the model: plain `LLM`, the benchmark's dtype and lengths, nothing of ours."""
+def default_engine(folder: Path, same_allocator: bool = False):
+    """vLLM's default engine for the model: plain `LLM`, the benchmark's dtype and lengths, nothing of ours; with
+    `same_allocator`, its processes started with the allocator settings ours start with (`engine.ALLOCATOR`), so the
+    comparison is of our instrumentation alone."""
     from vllm import LLM
 
-    return LLM(model=str(folder), dtype="float32", max_model_len=512, skip_tokenizer_init=True, seed=0,
-               kv_cache_memory_bytes=1 << 30)
+    from interp_engine.backends.vllm.engine import ALLOCATOR
+    from interp_engine.backends.vllm.procs import environ
+
+    with environ(ALLOCATOR if same_allocator else {}):
+        return LLM(model=str(folder), dtype="float32", max_model_len=512, skip_tokenizer_init=True, seed=0,
+                   kv_cache_memory_bytes=1 << 30)
 
 
 def main() -> None:
@@ -174,6 +183,8 @@ def main() -> None:
     parser.add_argument("--backends", default=",".join(BACKENDS))
     parser.add_argument("--default-engine", action="store_true",
                         help="on vllm-static, also time vLLM's default engine in the same process")
+    parser.add_argument("--same-allocator", action="store_true",
+                        help="start the default engine with our engine's allocator settings (engine.ALLOCATOR)")
     parser.add_argument("--out", default="out/bench/small_calls.json")
     parser.add_argument("--child", nargs=2, metavar=("BACKEND", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -183,7 +194,7 @@ def main() -> None:
         parser.error(f"--backends {','.join(sorted(unknown))}: choose from {', '.join(BACKENDS)} (vLLM's default "
                      "engine is --default-engine)")
     if args.child:
-        one_process(args.child[0], args.quick, calls, sizes, args.child[1], args.default_engine)
+        one_process(args.child[0], args.quick, calls, sizes, args.child[1], args.default_engine, args.same_allocator)
         return
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -201,7 +212,8 @@ def main() -> None:
             part.unlink(missing_ok=True)
             cmd = [sys.executable, "-m", "benchmarks.small_calls", "--calls", str(calls), "--sizes",
                    ",".join(f"{b}x{s}" for b, s in sizes), *(["--quick"] if args.quick else []),
-                   *(["--default-engine"] if args.default_engine else []), "--child", backend, str(part)]
+                   *(["--default-engine"] if args.default_engine else []),
+                   *(["--same-allocator"] if args.same_allocator else []), "--child", backend, str(part)]
             code = subprocess.run(cmd, cwd=ROOT).returncode
             if code:
                 failed.append(f"run {run} {backend}: exit {code}")

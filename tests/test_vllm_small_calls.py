@@ -1,6 +1,8 @@
-"""A call's requests run in one engine step (`gather.py`, the engine core's scheduler): held until the call's last
-one arrives, whatever the race between vLLM's busy loop and its input thread; a call aborted mid-submit leaves
-nothing held that could run later; requests that say nothing of their call pass straight through."""
+"""What keeps small calls on vLLM cheap, on a live engine. A call's requests run in one engine step (`gather.py`, the
+engine core's scheduler): held until the call's last one arrives, whatever the race between vLLM's busy loop and
+its input thread; a call aborted mid-submit leaves nothing held that could run later; requests that say nothing of
+their call pass straight through. A CPU engine's processes start with the allocator settings that keep freed pages
+(`engine.ALLOCATOR`), unless the user set their own."""
 
 import uuid
 
@@ -40,6 +42,13 @@ def _request(llm, request_id: str, call: str, of: int) -> None:
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
                             extra_args=wire.tag(call, 0, 3, None, of) if of else None)
     compat.add_request(llm, request_id, tokens_input([1, 2, 3], cache_salt=call), params)
+
+
+def _settings(runtime) -> tuple[dict, dict]:
+    """The engine's start settings, without the socket folder `settings` makes for a start."""
+    kwargs, env = engine.settings(runtime)
+    engine.remove_sockets(env.get(engine.SOCKETS))
+    return kwargs, env
 
 
 def _step_until(llm, wanted: set[str], steps: list[set[str]]) -> None:
@@ -86,11 +95,24 @@ def test_an_abort_mid_submit_ends_the_hold_and_the_engine_serves_on(served_llama
 
 def test_the_engine_gathers_unless_the_user_names_a_scheduler(served_llama):
     runtime = served_llama.runtime
-    assert engine.settings(runtime)[0]["scheduler_cls"] == gather.QUALNAME
+    assert _settings(runtime)[0]["scheduler_cls"] == gather.QUALNAME
     own = "vllm.v1.core.sched.scheduler.Scheduler"
     saved = runtime.engine_kwargs
     try:
         runtime.engine_kwargs = {**saved, "scheduler_cls": own}
-        assert engine.settings(runtime)[0]["scheduler_cls"] == own
+        assert _settings(runtime)[0]["scheduler_cls"] == own
     finally:
         runtime.engine_kwargs = saved
+
+
+def test_a_cpu_engine_starts_keeping_freed_pages_unless_the_user_set_the_allocator(served_llama, monkeypatch):
+    # The settings are what the engine's processes start under (`procs.environ` around `LLM()`, as the socket folder
+    # is); their /proc environ cannot show it: vLLM's setproctitle writes the process title over that memory.
+    for k in engine.ALLOCATOR:
+        monkeypatch.delenv(k, raising=False)
+    expected = {} if torch.cuda.is_available() else engine.ALLOCATOR  # a CPU engine's only
+    assert {k: v for k, v in _settings(served_llama.runtime)[1].items() if k in engine.ALLOCATOR} == expected
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
+    env = _settings(served_llama.runtime)[1]
+    assert "MALLOC_TRIM_THRESHOLD_" not in env
+    assert env.get("MALLOC_MMAP_THRESHOLD_") == expected.get("MALLOC_MMAP_THRESHOLD_")
