@@ -7,11 +7,13 @@ measured), paying a whole step's fixed cost twice. A call's requests say how man
 `wire.tag`); this scheduler holds them as they arrive and adds them to vLLM's scheduler, in the order they came,
 once all have arrived or those held fill one step (its token or sequence budget), so a small call runs in one
 step. While only held requests wait, the engine has no work and sleeps on its input, as it would without them.
-An abort of a held request (the driver's Ctrl-C mid-submit) ends its call's hold; requests without `of` pass
-straight through. Runs in the engine core's process; vLLM's own scheduler class is chosen as vLLM would.
+An abort of a held request (the driver's Ctrl-C mid-submit) ends its call's hold, and vLLM finishes the
+requests as any it holds; requests without `of` pass straight through. Runs in the engine core's process; vLLM's
+own scheduler class is chosen as vLLM would.
 """
 
 import functools
+from dataclasses import dataclass, field
 
 from interp_engine.backends.vllm import wire
 
@@ -50,16 +52,17 @@ def _gathering(base: type) -> type:
                 self._release(hold)
 
         def finish_requests(self, request_ids, finished_status):
-            if request_ids is None:
-                self.held.clear()
-            elif self.held:
-                request_ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-                ended = set(request_ids)
+            """An abort ends the hold of every call it names (the driver aborts a call whole: nothing more of it
+            will come), and of every call where it names none (vLLM's abort of all): their held requests are added
+            first, so that vLLM finishes them as any request waiting."""
+            if self.held:
+                ended = None if request_ids is None else \
+                    {request_ids} if isinstance(request_ids, str) else set(request_ids)
                 for call, hold in list(self.held.items()):
-                    if hold.arrived & ended:  # the driver aborts a call whole: nothing more of it will come
+                    if ended is None or hold.arrived & ended:
                         del self.held[call]
-                        hold.waiting = [r for r in hold.waiting if r.request_id not in ended]
                         self._release(hold)
+                request_ids = request_ids if ended is None else ended  # an iterator was read once already
             return super().finish_requests(request_ids, finished_status)
 
         def _release(self, hold: "_Hold") -> None:
@@ -71,8 +74,11 @@ def _gathering(base: type) -> type:
     return Gathering
 
 
+@dataclass
 class _Hold:
     """One call's requests in the scheduler's hold."""
 
-    def __init__(self, of: int):
-        self.of, self.arrived, self.waiting, self.tokens = of, set(), [], 0
+    of: int  # how many the call sends
+    arrived: set[str] = field(default_factory=set)  # the ids of those that came (released ones too)
+    waiting: list = field(default_factory=list)  # those not yet added to vLLM's scheduler, in arrival order
+    tokens: int = 0  # their prompt tokens
