@@ -250,6 +250,25 @@ def request_extra_args(runner, request_id: str) -> dict | None:
     return None if params is None else params.extra_args
 
 
+def scheduler_class(vllm_config) -> type:
+    """The scheduler class vLLM would build for this engine's settings (`gather.py` subclasses it)."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    return AsyncScheduler if vllm_config.scheduler_config.async_scheduling else Scheduler
+
+
+def arriving(request) -> tuple[str, dict | None, int]:
+    """(id, extra_args, prompt tokens) of a request reaching the engine core's scheduler."""
+    params = request.sampling_params
+    return request.request_id, None if params is None else params.extra_args, request.num_prompt_tokens
+
+
+def step_budget(scheduler) -> tuple[int, int]:
+    """(tokens, sequences) the engine core's scheduler puts in one step at most."""
+    return scheduler.max_num_scheduled_tokens, scheduler.max_num_running_reqs
+
+
 def wrap_model_forward(runner, around: Callable) -> None:
     """Make the runner call `around(forward, *args, **kwargs)` for each forward of the model, outside the
     compiled graph. vLLM documents `_model_forward` as the method to override; the worker builds its runner

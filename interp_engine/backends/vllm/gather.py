@@ -15,18 +15,14 @@ own scheduler class is chosen as vLLM would.
 import functools
 from dataclasses import dataclass, field
 
-from interp_engine.backends.vllm import wire
+from interp_engine.backends.vllm import compat, wire
 
 QUALNAME = f"{__name__}.scheduler"  # what `engine.settings` gives vLLM as `scheduler_cls`
 
 
 def scheduler(**kwargs):
     """vLLM builds its scheduler by calling `scheduler_cls(...)`: here, its default class with holding mixed in."""
-    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    base = AsyncScheduler if kwargs["vllm_config"].scheduler_config.async_scheduling else Scheduler
-    return _gathering(base)(**kwargs)
+    return _gathering(compat.scheduler_class(kwargs["vllm_config"]))(**kwargs)
 
 
 @functools.cache
@@ -37,16 +33,18 @@ def _gathering(base: type) -> type:
             self.held: dict[str, _Hold] = {}  # call -> its requests arrived so far, and those not yet added
 
         def add_request(self, request) -> None:
-            tag = wire.read_tag(getattr(request.sampling_params, "extra_args", None))
+            request_id, extra_args, tokens = compat.arriving(request)
+            tag = wire.read_tag(extra_args)
             of = tag.get("of") if tag is not None else None
             if not isinstance(of, int) or of < 2 or not isinstance(tag.get("call"), str):
                 return super().add_request(request)
             hold = self.held.setdefault(tag["call"], _Hold(of))
-            hold.arrived.add(request.request_id)
+            hold.arrived.add(request_id)
             hold.waiting.append(request)
-            hold.tokens += request.num_prompt_tokens
+            hold.tokens += tokens
             done = len(hold.arrived) >= hold.of
-            if done or hold.tokens >= self.max_num_scheduled_tokens or len(hold.waiting) >= self.max_num_running_reqs:
+            budget, seqs = compat.step_budget(self)
+            if done or hold.tokens >= budget or len(hold.waiting) >= seqs:
                 if done:
                     del self.held[tag["call"]]
                 self._release(hold)
