@@ -18,8 +18,8 @@ SOCKETS = "VLLM_RPC_BASE_PATH"  # the folder vLLM binds its ZMQ IPC sockets in
 # glibc's allocator, for a CPU engine's processes (a variable the user set stays theirs): by default it maps each large
 # tensor afresh and hands freed heap back to the kernel, so every step faults in its activations' pages again, and a
 # capture's records (kept until the call's end) moved vLLM's own tensors onto fresh pages too. Kept instead: 64x128
-# prefill on a 29M model took 2.25 s instead of 2.82, and resid_post x 8 over one point +35 ms instead of +214
-# (`benchmarks/small_calls.py`, the README's small calls). Freed memory stays with the process, up to its peak.
+# prefill on a 29M model took 2.19-2.33 s instead of 2.82, and resid_post x 8 over one point +23/+91 ms instead of
+# +214 (`benchmarks/small_calls.py`, the README's 64 prompts). Freed memory stays with the process, up to its peak.
 ALLOCATOR = {"MALLOC_TRIM_THRESHOLD_": str(4 << 30), "MALLOC_MMAP_THRESHOLD_": str(1 << 30)}
 
 
