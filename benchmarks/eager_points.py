@@ -7,10 +7,9 @@ per-call fixed cost. One thread, rounds interleaved in rotating order; medians w
 time and of this process's CPU time (user + system, page faults included): on a shared machine a preempted
 round stretches wall time but not CPU time, so the CPU ratio is the steadier figure.
 
-At 16x128 the Cache keeps ~480 MiB that HF's forward would free and reuse. Whether those pages are already
-mapped depends on glibc: when the previous Cache is freed it may trim the heap and hand them back to the OS,
-and the next call faults them in again (~0.2 s of system time here). Prefix the command with
-`MALLOC_TRIM_THRESHOLD_=4294967296 MALLOC_MMAP_THRESHOLD_=33554432` to measure without that effect.
+At 16x128 the Cache keeps ~470 MiB (all 123 points: ~910 MiB) that HF's forward would free and reuse. Loading the
+eager model on the CPU sets glibc to keep freed memory (`interp_engine/allocator.py`, for both paths alike: one
+process); with glibc's defaults each call faulted those pages in afresh, the whole of the gap (1.51x at 16x128 before).
 
     python -m benchmarks.eager_points [--family llama] [--rounds 15] [--sizes 1x16,16x128] [--without POINT,...]
 """
