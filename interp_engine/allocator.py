@@ -2,9 +2,10 @@
 
 By default glibc maps each large block afresh and hands freed heap back to the kernel above a threshold it adapts
 (at most 64 MiB), so every call faults its activations' pages in again. A capture's records outlive the forward,
-so the forward's own tensors land on fresh pages too: at 16x128 every point on eager faulted ~470 MiB per call,
-the whole of its 1.28x over HF's forward (1.04x without the faults; `benchmarks/eager_points.py`), and vLLM's CPU
-prefill at 64x128 took 2.82 s instead of ~2.2 s (`benchmarks/small_calls.py`). With these settings freed memory
+so the forward's own tensors land on fresh pages too: at 16x128, capturing a Llama's 99 points other than
+attn_result and mlp_pre on eager faulted ~470 MiB per call, the whole of its 1.28x over HF's forward (1.02-1.03x
+without the faults; all 123 points 1.51x -> 1.11-1.13x; `benchmarks/eager_points.py`), and vLLM's CPU prefill at
+64x128 took 2.82 s instead of ~2.2 s (`benchmarks/small_calls.py`). With these settings freed memory
 stays with the process, up to its peak, and is reused. A setting the user made (its environment variable, or
 GLIBC_TUNABLES naming it) stays theirs; setting one alone keeps glibc from adapting the other, so each is set
 whenever the user has not set it.

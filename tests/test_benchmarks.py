@@ -75,6 +75,30 @@ def test_vllm_static_rows_are_divided_by_the_default_engines_plain_paths_at_the_
     assert row["baseline_ms"] == 24.0 and row["ratio"] == 30.0 / 24.0 and row["min_ratio"] is None
 
 
+def test_separate_runs_merge_into_their_median_and_range_and_a_run_that_missed_is_said():
+    """run_all's merge of --runs (separate processes) and the README cell and verdict made of it."""
+    def row(ratio: float, batch: int) -> dict:
+        return {"suite": "vllm", "scenario": "capture resid_post (all layers)", "path": "capture_resid_post",
+                "baseline": "plain_prefill", "batch": batch, "seq": 16, "path_ms": 20.0 * ratio, "baseline_ms": 20.0,
+                "ratio": ratio, "min_ratio": 0.5 * ratio}
+    refused = {"suite": "vllm", "scenario": "run_with_grad", "path": "run_with_grad", "status": "not_served",
+               "note": "vLLM runs no backward pass"}
+    merged = run_all.merge_runs([[row(1.02, 2), row(1.00, 4), refused], [row(1.12, 2), row(1.04, 4)],
+                                 [row(1.06, 2), row(1.01, 4)]])
+    cells = {r["batch"]: r for r in merged if "ratio" in r}
+    assert cells[2]["run_ratios"] == [1.02, 1.12, 1.06] and cells[2]["ratio"] == 1.06
+    assert cells[2]["path_ms"] == 20.0 * 1.06 and cells[2]["min_ratio"] == 0.5 * 1.02 and refused in merged
+    data = {"mode": "full", "machine": "a CPU, 2 cores, no GPU", "num_gpus": 1, "reps": 5, "runs": 3, "new_tokens": 16,
+            "when": "now", "seconds": 60.0, "suites": {}, "rows": merged,
+            "model": {"model_type": "llama", "n_params": 1e8, "layers": 12, "d_model": 768, "d_mlp": 3072,
+                      "vocab": 32000, "dtype": "float32"}}
+    section = report.readme_section(data)
+    assert "| 1.06 (1.02-1.12) | 1.01 (1.00-1.04) | <= 1.10: met by the median, missed in 1 of 3 runs" in section
+    assert "the median over 3 separate runs" in section and "run_with_grad: not_served" in section
+    assert "| 1.060 (1.020-1.120) |" in report.markdown(data)
+    assert "met in every run" in report.readme_section({**data, "rows": run_all.merge_runs([[row(1.02, 2)]] * 2)})
+
+
 @requires("vllm")
 def test_small_calls_quick_mode_times_capture_against_plain_prefill(tmp_path):
     """On `vllm` only: vllm-static's run differs by its load arguments alone and would cost CI two compiled
