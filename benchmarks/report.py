@@ -64,12 +64,13 @@ def _verdict(limit: float, cells: list[dict], where: str = "") -> str:
     so, since one more run could land either way."""
     worst = max(c["ratio"] for c in cells)
     runs = [c.get("run_ratios", [c["ratio"]]) for c in cells]
+    n_runs = max(len(ratios) for ratios in runs)
     if worst > limit:
         return f"missed by {100 * (worst / limit - 1):.0f}%{where}"
     missed = max(sum(ratio > limit for ratio in ratios) for ratios in runs)
     if missed:
-        return f"met by the median, missed in {missed} of {max(len(r) for r in runs)} runs{where}"
-    return "met" if max(len(r) for r in runs) == 1 else "met in every run"
+        return f"met by the median, missed in {missed} of {n_runs} runs{where}"
+    return "met" if n_runs == 1 else "met in every run"
 
 
 def _cell(r: dict, digits: int) -> str:

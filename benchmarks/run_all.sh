@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The benchmark driver: every scenario against its baseline on every backend, one subprocess per suite.
-#   benchmarks/run_all.sh [--quick] [--runs N] [--num-gpus N] [--model FAMILY|FOLDER|REPO] [--sizes 64x32,...] [--update-readme]
+#   benchmarks/run_all.sh [--quick] [--runs N] [--num-gpus N] [--model FAMILY|FOLDER|REPO] [--sizes 64x32,...]
+#                         [--update-readme]
 # With nothing set it uses every visible CUDA card; NUM_GPUS=1 or --num-gpus 1 pins it to one (CPU: 1).
 # Outputs: benchmarks/results/results.{json,md,png}.
 set -euo pipefail

@@ -1,7 +1,7 @@
 """scripts/gpu_check.py is the one prepared check a lent GPU machine runs (no vLLM, no internet, minutes of device
-time): kept working where no GPU is by its dry run on the CPU, which runs every per-family check of every tiny family (capture, steer,
-run_with_grad, generate, no hook left) in float32 and bfloat16; bnb, device_map, the num_gpus refusal and speed run
-on CUDA only."""
+time): kept working where no GPU is by its dry run on the CPU, which runs every per-family check of every tiny
+family (capture, steer, run_with_grad, generate, no hook left) in float32 and bfloat16; bnb, device_map, the
+num_gpus refusal and speed run on CUDA only."""
 
 import json
 import os
